@@ -138,9 +138,9 @@ class RadixTree:
     def _align(self, nbytes: int) -> int:
         return nbytes - nbytes % self._page_b
 
-    def _common_bytes(self, a: bytes, b: bytes, boff: int) -> int:
-        """Page-aligned length in bytes of the common prefix of a and b[boff:]."""
-        n = min(len(a), len(b) - boff) // self._isz
+    def _common_bytes(self, a: bytes, b: bytes, boff: int, bend: int) -> int:
+        """Page-aligned length in bytes of the common prefix of a and b[boff:bend]."""
+        n = min(len(a), bend - boff) // self._isz
         x = np.frombuffer(a, self._kdt, n)
         y = np.frombuffer(b, self._kdt, n, boff)
         ne = x != y
@@ -176,21 +176,21 @@ class RadixTree:
             raise StaleHandle(f"node handle {node_id:#x} is stale: the node was evicted or never existed")
         return node
 
-    def _walk(self, kb: bytes, root: Node, split: bool) -> tuple[Node, int, list[bytes]]:
-        """Follow kb from root: deepest matched node, matched bytes, device values (split=False: no mutation,
-        the partial edge counts in the length only)."""
-        node, off, n, vals, pb = root, 0, len(kb), [], self._page_b
+    def _walk(self, kb: bytes, n: int, root: Node, split: bool) -> tuple[Node, int, list[bytes]]:
+        """Follow kb[:n] from root: deepest matched node, matched bytes, device values (split=False: no
+        mutation, a partially matched edge counts in the length only). Compares in place: no big copies."""
+        node, off, vals, pb = root, 0, [], self._page_b
         while off < n:
             child = node.children.get(kb[off:off + pb])
             if child is None or child.value is None:
                 break
             ck = child.key
-            if kb[off:off + len(ck)] == ck:
+            if off + len(ck) <= n and kb.startswith(ck, off):
                 vals.append(child.value)
                 off += len(ck)
                 node = child
                 continue
-            m = self._common_bytes(ck, kb, off)
+            m = self._common_bytes(ck, kb, off, n)
             if m and split:
                 node = self._split(child, m)
                 vals.append(node.value)
@@ -219,10 +219,10 @@ class RadixTree:
     def match_prefix(self, tokens: TokenInput, namespace: Namespace = DEFAULT_NS) -> MatchResult:
         """Longest cached page-aligned prefix; a match ending inside an edge splits it."""
         kb = self._encode_key(tokens)
-        kb = kb[:self._align(len(kb))]
+        end = self._align(len(kb))
         root = self._root(namespace)
-        node, off, vals = self._walk(kb, root, split=True)
-        queried = len(kb) // self._isz
+        node, off, vals = self._walk(kb, end, root, split=True)
+        queried = end // self._isz
         matched = off // self._isz
         self.counters.queried_tokens += queried
         self.counters.hit_tokens += matched
@@ -245,7 +245,7 @@ class RadixTree:
         root = self._root(namespace, create=False)
         if root is None:
             return 0
-        return self._walk(kb[:self._align(len(kb))], root, split=False)[1] // self._isz
+        return self._walk(kb, self._align(len(kb)), root, split=False)[1] // self._isz
 
     def insert(self, tokens: TokenInput, values: TokenInput, namespace: Namespace = DEFAULT_NS,
                prev_prefix_len: int = 0, priority: int = 0) -> InsertResult:
@@ -261,19 +261,18 @@ class RadixTree:
         if prev_prefix_len and self._cached_len(kb, namespace) < prev_prefix_len:
             raise InvalidInput(f"prev_prefix_len {prev_prefix_len} exceeds the cached prefix")
         tail = vals[aligned:]
-        kb = kb[:aligned * self._isz]
         vb = vals[:aligned].tobytes()
         root = self._root(namespace)
         tick = self._next_tick()
-        node, off, pb, isz, n = root, 0, self._page_b, self._isz, len(kb)
+        node, off, pb, isz, n = root, 0, self._page_b, self._isz, aligned * self._isz
         dups: list[bytes] = []
         while off < n:
             child = node.children.get(kb[off:off + pb])
             if child is None:
                 break
             ck = child.key
-            if kb[off:off + len(ck)] != ck:
-                child = self._split(child, self._common_bytes(ck, kb, off))
+            if off + len(ck) > n or not kb.startswith(ck, off):
+                child = self._split(child, self._common_bytes(ck, kb, off, n))
             length = len(child.key) // isz
             pos = off // isz
             child.last_access = tick
@@ -289,7 +288,7 @@ class RadixTree:
         adopted = 0
         if off < n:
             pos = off // isz
-            leaf = Node(self._mint(), node, kb[off:], vb[pos * 4:], tick, priority, namespace)
+            leaf = Node(self._mint(), node, kb[off:n], vb[pos * 4:], tick, priority, namespace)
             node.children[leaf.key[:pb]] = leaf
             self._nodes[leaf.id] = leaf
             adopted = aligned - pos

@@ -1,0 +1,326 @@
+"""Tree benchmark: radixd's RadixTree vs SGLang's RadixCache on the identical operation sequence.
+
+Each implementation runs in its own worker process (so memory is measured cleanly), possibly under a
+different interpreter (SGLang usually lives in its own venv: --sglang-python /path/to/python).
+Workloads: synthetic multi-turn conversations (page 1 and 16) and replays of ../shared/traces/*.jsonl.
+
+    python bench/tree_bench.py [--sglang-python PY] [--conversations 1000] [--trace-requests 500]
+
+Last line: RESULT insert_x=<ratio> match_x=<ratio> evict_x=<ratio> mem_x=<ratio>
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+TRACES = [HERE.parent.parent / "shared" / "traces", HERE.parent / "shared" / "traces"]
+VOCAB = 32000
+BLOCK = 512
+
+
+# ------------------------------------------------------------------ workloads (deterministic)
+def synthetic(n_conv: int, seed: int = 7):
+    """Shared system prompts, growing conversations. Returns ops: list of (kind, tokens)."""
+    rng = np.random.default_rng(seed)
+    systems = [rng.integers(0, VOCAB, int(rng.integers(500, 1500)), dtype=np.int32) for _ in range(10)]
+    convs = []
+    for _ in range(n_conv):
+        parts = [systems[int(rng.integers(len(systems)))]]
+        ends_user, ends_reply = [], []
+        for _ in range(int(rng.integers(2, 6))):
+            parts.append(rng.integers(0, VOCAB, int(rng.integers(30, 300)), dtype=np.int32))
+            ends_user.append(sum(map(len, parts)))
+            parts.append(rng.integers(0, VOCAB, int(rng.integers(30, 300)), dtype=np.int32))
+            ends_reply.append(sum(map(len, parts)))
+        convs.append((np.concatenate(parts), ends_user, ends_reply))
+    ops = []
+    for t in range(5):  # round-robin over conversations, one turn at a time
+        for toks, eu, er in convs:
+            if t < len(er):
+                ops.append(("match_cont", toks[:eu[t]]))
+                ops.append(("insert", toks[:er[t]]))
+    for _ in range(n_conv):
+        s = systems[int(rng.integers(len(systems)))]
+        ops.append(("match_new", np.concatenate([s[:int(rng.integers(50, len(s)))],
+                                                 rng.integers(0, VOCAB, 200, dtype=np.int32)])))
+    return ops
+
+
+def _trace_file(name: str) -> Path:
+    for root in TRACES:
+        if (root / name).exists():
+            return root / name
+    raise FileNotFoundError(name)
+
+
+def trace(name: str, n_req: int):
+    """Mooncake trace: each 512-token block id expands to deterministic pseudo-random tokens."""
+    blocks: dict[int, np.ndarray] = {}
+    ops = []
+    with open(_trace_file(name)) as f:
+        for i, line in enumerate(f):
+            if i >= n_req:
+                break
+            req = json.loads(line)
+            parts = []
+            for b in req["hash_ids"]:
+                if b not in blocks:
+                    blocks[b] = np.random.default_rng(b).integers(0, VOCAB, BLOCK, dtype=np.int32)
+                parts.append(blocks[b])
+            toks = np.concatenate(parts)[:req["input_length"]]
+            ops.append(("match_cont", toks))
+            ops.append(("insert", toks))
+    return ops
+
+
+def workloads(args):
+    wl = [("synthetic-p1", 1, lambda: synthetic(args.conversations)),
+          ("synthetic-p16", 16, lambda: synthetic(args.conversations))]
+    for name in ("conversation_trace.jsonl", "synthetic_trace.jsonl"):
+        try:
+            _trace_file(name)
+        except FileNotFoundError:
+            continue
+        wl.append((f"trace-{name.split('_')[0]}-p16", 16, lambda n=name: trace(n, args.trace_requests)))
+    return wl
+
+
+# ------------------------------------------------------------------ adapters
+class RadixdImpl:
+    def __init__(self, page: int):
+        from radixd.server.tree import RadixTree
+        self.t = RadixTree(page_size=page)
+
+    def prep(self, toks, start):
+        return toks, np.arange(start, start + len(toks), dtype=np.int32)
+
+    def prep_key(self, toks):
+        return toks
+
+    def insert(self, k, v):
+        self.t.insert(k, v)
+
+    def match(self, k):
+        return self.t.match_prefix(k).node_id
+
+    def lock_unlock(self, node):
+        self.t.unlock(self.t.lock(node))
+
+    def evict(self, n):
+        return self.t.evict(n).evicted_tokens
+
+    def cached(self):
+        return self.t.cached_tokens
+
+
+class _MockAllocator:
+    device = "cpu"
+
+    def free(self, *a, **k):
+        pass
+
+    def free_segment(self, *a, **k):
+        pass
+
+
+def _stub_torchvision():
+    import importlib.abc
+    import importlib.machinery
+    import types
+
+    import transformers.utils.import_utils as iu
+    iu.is_torchvision_available()  # decide "absent" before the stub exists
+
+    class Stub(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+        def find_spec(self, name, path, target=None):
+            if name == "torchvision" or name.startswith("torchvision."):
+                return importlib.machinery.ModuleSpec(name, self, is_package=True)
+
+        def create_module(self, spec):
+            m = types.ModuleType(spec.name)
+            m.__path__ = []
+            return m
+
+        def exec_module(self, m):
+            pass
+
+    sys.meta_path.insert(0, Stub())
+
+
+class SGLangImpl:
+    def __init__(self, page: int):
+        import warnings
+        warnings.filterwarnings("ignore")
+        _stub_torchvision()
+        import torch
+        from array import array
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
+        from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+        self.torch, self.array, self.Key = torch, array, RadixKey
+        self.IP, self.MP, self.EP = InsertParams, MatchPrefixParams, EvictParams
+        self.c = RadixCache.create_simulated(mock_allocator=_MockAllocator(), page_size=page)
+
+    def prep(self, toks, start):
+        return (self.Key(self.array("q", toks.astype(np.int64).tobytes())),
+                self.torch.arange(start, start + len(toks), dtype=self.torch.int64))
+
+    def prep_key(self, toks):
+        return self.Key(self.array("q", toks.astype(np.int64).tobytes()))
+
+    def insert(self, k, v):
+        self.c.insert(self.IP(key=k, value=v))
+
+    def match(self, k):
+        return self.c.match_prefix(self.MP(key=k)).last_device_node
+
+    def lock_unlock(self, node):
+        self.c.inc_lock_ref(node)
+        self.c.dec_lock_ref(node)
+
+    def evict(self, n):
+        return self.c.evict(self.EP(num_tokens=n)).num_tokens_evicted
+
+    def cached(self):
+        return self.c.evictable_size_ + self.c.protected_size_
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def run_worker(impl_name: str, only: str, args) -> dict:
+    """Run one workload under one implementation in a fresh process; return per-op timings and memory."""
+    out = {}
+    for wname, page, make in workloads(args):
+        if wname != only:
+            continue
+        ops = make()
+        impl = (RadixdImpl if impl_name == "radixd" else SGLangImpl)(page)
+        times = {"insert": [], "match_cont": [], "match_new": [], "lock_unlock": [], "evict": []}
+        nodes = []
+        slot = 0
+        gc.collect()
+        gc.disable()
+        rss0 = rss_bytes()
+        pc = time.perf_counter_ns
+        for kind, toks in ops:
+            if kind == "insert":
+                k, v = impl.prep(toks, slot)
+                slot += len(toks)
+                t0 = pc()
+                impl.insert(k, v)
+                times["insert"].append(pc() - t0)
+            else:
+                k = impl.prep_key(toks)
+                t0 = pc()
+                node = impl.match(k)
+                times[kind].append(pc() - t0)
+                if kind == "match_cont":
+                    nodes.append(node)
+        del k
+        gc.enable()
+        gc.collect()
+        mem = rss_bytes() - rss0
+        cached = impl.cached()
+        for node in nodes[-5000:]:
+            t0 = pc()
+            impl.lock_unlock(node)
+            times["lock_unlock"].append(pc() - t0)
+        del nodes
+        while True:
+            t0 = pc()
+            n = impl.evict(4096)
+            if not n:
+                break
+            times["evict"].append(pc() - t0)
+        out[wname] = {"times": {k: v for k, v in times.items() if v}, "mem_bytes": mem, "cached": cached}
+    return out
+
+
+def summarize(ns: list[int]) -> dict:
+    a = np.array(ns, dtype=np.float64) / 1e3
+    return {"ops_s": 1e6 / a.mean(), "p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99)),
+            "n": len(a)}
+
+
+def find_sglang_python(explicit: str | None) -> str | None:
+    cands = [explicit, os.environ.get("RADIXD_SGLANG_PYTHON"), sys.executable]
+    for py in filter(None, cands):
+        r = subprocess.run([py, __file__, "--probe"], capture_output=True)
+        if r.returncode == 0:
+            return py
+        if py == explicit:
+            print(f"note: {py} cannot import sglang:\n{r.stderr.decode()[-500:]}", file=sys.stderr)
+    return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sglang-python", help="interpreter that can import sglang (default: auto-detect)")
+    ap.add_argument("--conversations", type=int, default=1000)
+    ap.add_argument("--trace-requests", type=int, default=500)
+    ap.add_argument("--worker", choices=["radixd", "sglang"], help=argparse.SUPPRESS)
+    ap.add_argument("--workload", help=argparse.SUPPRESS)
+    ap.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.probe:
+        _stub_torchvision()
+        import sglang.srt.mem_cache.radix_cache  # noqa: F401
+        return
+    if args.worker:
+        print(json.dumps(run_worker(args.worker, args.workload, args)))
+        return
+    base = [__file__, "--conversations", str(args.conversations), "--trace-requests", str(args.trace_requests)]
+    results: dict[str, dict] = {}
+    for impl, py in (("radixd", sys.executable), ("sglang", find_sglang_python(args.sglang_python))):
+        if py is None:
+            print("SGLang is not importable: printing radixd's numbers only (see shared/peers/README.md)")
+            continue
+        for wname, _, _ in workloads(args):
+            r = subprocess.run([py, *base, "--worker", impl, "--workload", wname], capture_output=True, text=True)
+            if r.returncode:
+                sys.exit(f"{impl} worker failed on {wname}:\n{r.stderr[-3000:]}")
+            results.setdefault(impl, {}).update(json.loads(r.stdout.strip().splitlines()[-1]))
+    ratios: dict[str, list[float]] = {"insert": [], "match": [], "evict": [], "mem": []}
+    print(f"{'workload':22} {'op':12} {'impl':7} {'ops/s':>11} {'p50 us':>9} {'p99 us':>9}   {'x sglang':>8}")
+    for wname in results["radixd"]:
+        for op in ("insert", "match_cont", "match_new", "lock_unlock", "evict"):
+            row = {}
+            for impl in results:
+                t = results[impl][wname]["times"].get(op)
+                if t:
+                    row[impl] = summarize(t)
+                    s = row[impl]
+                    ratio = ""
+                    if impl == "radixd" and "sglang" in results and results["sglang"][wname]["times"].get(op):
+                        ratio = f"{s['ops_s'] / summarize(results['sglang'][wname]['times'][op])['ops_s']:8.2f}"
+                    print(f"{wname:22} {op:12} {impl:7} {s['ops_s']:11.0f} {s['p50']:9.1f} {s['p99']:9.1f}   {ratio:>8}")
+            if "sglang" in row and "radixd" in row and wname == "synthetic-p1":
+                key = {"insert": "insert", "match_cont": "match", "evict": "evict"}.get(op)
+                if key:
+                    ratios[key].append(row["radixd"]["ops_s"] / row["sglang"]["ops_s"])
+        for impl in results:
+            w = results[impl][wname]
+            per_m = w["mem_bytes"] / max(w["cached"], 1) * 1e6 / 2**20
+            print(f"{wname:22} {'memory':12} {impl:7} {per_m:8.1f} MiB per 1M cached tokens ({w['cached']} tokens)")
+        if "sglang" in results and wname == "synthetic-p1":
+            m = [results[i][wname]["mem_bytes"] / max(results[i][wname]["cached"], 1) for i in ("radixd", "sglang")]
+            ratios["mem"].append(m[0] / m[1])
+    if "sglang" in results:
+        print("RESULT " + " ".join(f"{k}_x={v[0]:.2f}" for k, v in ratios.items()))
+    else:
+        print("RESULT insert_x=nan match_x=nan evict_x=nan mem_x=nan")
+
+
+if __name__ == "__main__":
+    main()
