@@ -1,0 +1,85 @@
+"""Map a radixd pool into this process as torch tensors, without copying (shm or CUDA IPC)."""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Optional
+
+from radixd.server.pools.descriptor import PoolDescriptor
+from radixd.server.pools.spec import DTYPES
+
+
+class PoolMappingError(RuntimeError):
+    """A pool cannot be mapped (wrong instance, segment gone, GPU not visible)."""
+
+
+class MappedPool:
+    """Torch views of one pool, named as SGLang's KV pools: k_buffer[layer], v_buffer[layer] (or kv_buffer)."""
+
+    def __init__(self, desc: PoolDescriptor, expected_instance: Optional[str] = None):
+        import torch
+        if expected_instance is not None and desc.instance_id != expected_instance:
+            raise PoolMappingError(f"pool belongs to server instance {desc.instance_id}, "
+                                   f"the server is now {expected_instance}")
+        self.descriptor = desc
+        self._shm = self._ipc = None
+        if desc.backend == "shm":
+            from radixd.server.pools.shm import ShmRegion
+            try:
+                self._shm = ShmRegion(desc.handle.decode())
+            except FileNotFoundError as e:
+                raise PoolMappingError(str(e)) from None
+            raw = torch.frombuffer(self._shm.mm, dtype=torch.uint8)
+            if desc.pinned:
+                from radixd.server.pools.cuda import pin_host
+                pin_host(raw.data_ptr(), raw.numel())
+        elif desc.backend == "cuda":
+            from radixd.server.pools.cuda import IpcMapping
+            try:
+                self._ipc = IpcMapping(desc.handle, desc.gpu_uuid, desc.size_bytes)
+            except (RuntimeError, LookupError) as e:
+                raise PoolMappingError(str(e)) from None
+            raw = torch.from_dlpack(self._ipc.as_uint8())
+        else:
+            raise PoolMappingError(f"unknown backend {desc.backend!r}")
+        dtype = getattr(torch, DTYPES[desc.dtype][2])
+        self.device = raw.device
+        self.buffers: dict[str, Any] = {}
+        for b in desc.buffers:
+            n = 1
+            for x in b.shape:
+                n *= x
+            nbytes = n * dtype.itemsize if hasattr(dtype, "itemsize") else n * DTYPES[desc.dtype][0]
+            self.buffers[b.name] = raw[b.offset:b.offset + nbytes].view(dtype).view(b.shape)
+        kinds = ("kv",) if desc.mla else ("k", "v")
+        per = {k: [self._layer(layer, k, kinds) for layer in range(desc.num_layers)] for k in kinds}
+        self.k_buffer = per.get("k", [])
+        self.v_buffer = per.get("v", [])
+        self.kv_buffer = per.get("kv", [])
+        self._closed = False
+        self._finalizer = weakref.finalize(self, MappedPool._release, self._shm, self._ipc)
+
+    def _layer(self, layer: int, kind: str, kinds: tuple[str, ...]) -> Any:
+        if "pages" in self.buffers:
+            return self.buffers["pages"][:, layer, kinds.index(kind)]
+        return self.buffers[f"{kind}.{layer}"]
+
+    @staticmethod
+    def _release(shm, ipc) -> None:
+        if shm is not None:
+            shm.close()
+        if ipc is not None:
+            ipc.close()
+
+    def close(self) -> None:
+        """Drop the views and unmap; safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self.buffers.clear()
+        self.k_buffer = self.v_buffer = self.kv_buffer = []
+        self._finalizer()
+
+
+def map_pool(desc: PoolDescriptor, expected_instance: Optional[str] = None) -> MappedPool:
+    """Map one pool described by the server."""
+    return MappedPool(desc, expected_instance)
