@@ -1,0 +1,275 @@
+"""Sync and asyncio clients: attach a session, typed methods per RPC, pool mapping, restart detection."""
+from __future__ import annotations
+
+from typing import Any, Iterable, Optional, Sequence
+
+import grpc
+import numpy as np
+
+from radixd.proto import cache_pb2 as pb
+from radixd.proto import cache_pb2_grpc as pb_grpc
+
+from . import codec
+from .errors import NotFound, RadixdError, ServerRestarted, from_rpc_error
+
+
+def _credentials(tls: Any):
+    """tls: None (insecure), True (system roots) or a PEM root certificate (bytes or path)."""
+    if tls is None or tls is False:
+        return None
+    if tls is True:
+        return grpc.ssl_channel_credentials()
+    pem = tls if isinstance(tls, bytes) else open(tls, "rb").read()
+    return grpc.ssl_channel_credentials(root_certificates=pem)
+
+
+class _Base:
+    def __init__(self, target: str, token: Optional[str], tls: Any, name: str):
+        self.target = target
+        self.name = name
+        self._meta = (("authorization", f"Bearer {token}"),) if token else ()
+        self._creds = _credentials(tls)
+        self.session_id = ""
+        self.instance_id = ""
+
+    def _restart_check(self, err: RadixdError, current_instance: str) -> RadixdError:
+        if current_instance and self.instance_id and current_instance != self.instance_id:
+            e = ServerRestarted(f"server restarted: instance {self.instance_id} is gone, now {current_instance}; "
+                                "call reconnect() and map the pools again")
+            return e
+        return err
+
+
+class CacheClient(_Base):
+    """Blocking client. `CacheClient("unix:///tmp/radixd.sock")` attaches a session immediately."""
+
+    def __init__(self, target: str, *, token: Optional[str] = None, tls: Any = None, name: str = "python-client",
+                 attach: bool = True, timeout: float = 30.0):
+        super().__init__(target, token, tls, name)
+        opts = codec.channel_options()
+        self._channel = (grpc.secure_channel(target, self._creds, opts) if self._creds
+                         else grpc.insecure_channel(target, opts))
+        self._stub = pb_grpc.RadixCacheStub(self._channel)
+        self._timeout = timeout
+        self._stream = None
+        if attach:
+            self.attach()
+
+    # ---------------------------------------------------------------- plumbing
+    def _call(self, name: str, request):
+        try:
+            return getattr(self._stub, name)(request, metadata=self._meta, timeout=self._timeout)
+        except grpc.RpcError as e:
+            err = from_rpc_error(e)
+            if isinstance(err, NotFound) and "session" in str(err):
+                try:
+                    current = self._stub.GetInfo(pb.GetInfoRequest(), metadata=self._meta, timeout=5).instance_id
+                except grpc.RpcError:
+                    current = ""
+                err = self._restart_check(err, current)
+            raise err from None
+
+    def attach(self) -> str:
+        """Open the session stream; the session lives exactly as long as this stream."""
+        self._stream = self._stub.Attach(pb.AttachRequest(client_name=self.name), metadata=self._meta)
+        try:
+            first = next(self._stream)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        self.session_id, self.instance_id = first.session_id, first.instance_id
+        return self.session_id
+
+    def reconnect(self) -> str:
+        """Drop the old session (if any) and attach a new one, e.g. after ServerRestarted."""
+        if self._stream is not None:
+            self._stream.cancel()
+        return self.attach()
+
+    def close(self) -> None:
+        if self._stream is not None:
+            self._stream.cancel()
+            self._stream = None
+        self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ---------------------------------------------------------------- RPCs
+    def info(self) -> dict:
+        return codec.info_dict(self._call("GetInfo", pb.GetInfoRequest()))
+
+    def alloc(self, num_tokens: int | Sequence[int]) -> np.ndarray | list[np.ndarray]:
+        """Slots for num_tokens (whole pages); a list in, a list out."""
+        single = isinstance(num_tokens, int)
+        resp = self._call("Alloc", pb.AllocRequest(session_id=self.session_id,
+                                                   num_tokens=[num_tokens] if single else list(num_tokens)))
+        out = [codec.slots_array(a.indices) for a in resp.allocations]
+        return out[0] if single else out
+
+    def free(self, indices: Any) -> int:
+        return self._call("Free", pb.FreeRequest(session_id=self.session_id,
+                                                 indices=codec.slots_bytes(indices))).freed
+
+    def insert(self, tokens: Any, indices: Any, *, extra_key: str = "", cache_salt: str = "",
+               prev_prefix_len: int = 0, priority: int = 0) -> codec.Inserted:
+        return self.insert_batch([dict(tokens=tokens, indices=indices, extra_key=extra_key, cache_salt=cache_salt,
+                                       prev_prefix_len=prev_prefix_len, priority=priority)])[0]
+
+    def insert_batch(self, items: Iterable[dict]) -> list[codec.Inserted]:
+        resp = self._call("Insert", pb.InsertRequest(session_id=self.session_id,
+                                                     items=codec.insert_items(items, False)))
+        return codec.inserted(resp.results)
+
+    def match_prefix(self, tokens: Any, *, lock: bool = False, extra_key: str = "",
+                     cache_salt: str = "") -> codec.Match:
+        return self.match_batch([tokens], lock=lock, extra_key=extra_key, cache_salt=cache_salt)[0]
+
+    def match_batch(self, keys: Sequence[Any], *, lock: bool = False, extra_key: str = "",
+                    cache_salt: str = "") -> list[codec.Match]:
+        return codec.matches(self._call("MatchPrefix", codec.match_request(self.session_id, keys, lock, extra_key,
+                                                                           cache_salt)))
+
+    def lock(self, node_ids: Sequence[int]) -> list[int]:
+        return list(self._call("Lock", pb.LockRequest(session_id=self.session_id, node_id=list(node_ids))).receipt_id)
+
+    def unlock(self, receipt_ids: Sequence[int]) -> None:
+        self._call("Unlock", pb.UnlockRequest(session_id=self.session_id, receipt_id=list(receipt_ids)))
+
+    def cache_finished(self, items: Iterable[dict]) -> list[codec.Inserted]:
+        resp = self._call("CacheFinished", pb.CacheFinishedRequest(session_id=self.session_id,
+                                                                   items=codec.insert_items(items, True)))
+        return codec.inserted(resp.results)
+
+    def cache_unfinished(self, items: Iterable[dict]) -> list[tuple[codec.Inserted, codec.Match]]:
+        resp = self._call("CacheUnfinished", pb.CacheUnfinishedRequest(session_id=self.session_id,
+                                                                       items=codec.insert_items(items, True)))
+        return [(codec.inserted([r.insert])[0],
+                 codec.Match(codec.slots_array(r.device_indices), r.matched_len, 0, r.node_id, r.receipt_id))
+                for r in resp.results]
+
+    def evict(self, num_tokens: int) -> int:
+        return self._call("Evict", pb.EvictRequest(num_tokens=num_tokens)).evicted_tokens
+
+    def stats(self) -> dict[str, int]:
+        return codec.stats_dict(self._call("GetStats", pb.GetStatsRequest()))
+
+    def check(self) -> list[str]:
+        """Server-side invariant check; an empty list means consistent."""
+        r = self._call("CheckInvariants", pb.CheckInvariantsRequest())
+        return list(r.violations)
+
+    def reset(self) -> int:
+        return self._call("Reset", pb.ResetRequest()).freed_tokens
+
+    def echo(self, payload: bytes) -> bytes:
+        return self._call("Echo", pb.EchoRequest(payload=payload)).payload
+
+    def map_pools(self, device: Any = None) -> codec.MappedPools:
+        """Map every pool (zero-copy torch views); refuses pools of another server instance."""
+        from .pools import map_pool
+        info = self.info()
+        if self.instance_id and info["instance_id"] != self.instance_id:
+            raise ServerRestarted(f"server restarted (instance {info['instance_id']}); call reconnect() first")
+        pools = info["device_pools"]
+        if device is not None and len(pools) > 1:
+            idx = device if isinstance(device, int) else getattr(device, "index", 0) or 0
+            pools = [p for p in pools if p.device_index == idx] or pools[:1]
+        return codec.MappedPools([map_pool(p, info["instance_id"]) for p in pools],
+                                 map_pool(info["host_pool"], info["instance_id"]) if info["host_pool"] else None)
+
+
+class AsyncCacheClient(_Base):
+    """asyncio client: `async with AsyncCacheClient(target) as c: await c.match_prefix(...)`."""
+
+    def __init__(self, target: str, *, token: Optional[str] = None, tls: Any = None, name: str = "python-aio-client",
+                 timeout: float = 30.0):
+        super().__init__(target, token, tls, name)
+        opts = codec.channel_options()
+        self._channel = (grpc.aio.secure_channel(target, self._creds, opts) if self._creds
+                         else grpc.aio.insecure_channel(target, opts))
+        self._stub = pb_grpc.RadixCacheStub(self._channel)
+        self._timeout = timeout
+        self._stream = None
+
+    async def _call(self, name: str, request):
+        try:
+            return await getattr(self._stub, name)(request, metadata=self._meta, timeout=self._timeout)
+        except grpc.RpcError as e:
+            err = from_rpc_error(e)
+            if isinstance(err, NotFound) and "session" in str(err):
+                try:
+                    current = (await self._stub.GetInfo(pb.GetInfoRequest(), metadata=self._meta,
+                                                        timeout=5)).instance_id
+                except grpc.RpcError:
+                    current = ""
+                err = self._restart_check(err, current)
+            raise err from None
+
+    async def attach(self) -> str:
+        self._stream = self._stub.Attach(pb.AttachRequest(client_name=self.name), metadata=self._meta)
+        try:
+            first = await self._stream.read()
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        self.session_id, self.instance_id = first.session_id, first.instance_id
+        return self.session_id
+
+    async def close(self) -> None:
+        if self._stream is not None:
+            self._stream.cancel()
+            self._stream = None
+        await self._channel.close()
+
+    async def __aenter__(self):
+        await self.attach()
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()
+
+    async def info(self) -> dict:
+        return codec.info_dict(await self._call("GetInfo", pb.GetInfoRequest()))
+
+    async def alloc(self, num_tokens: Sequence[int]) -> list[np.ndarray]:
+        resp = await self._call("Alloc", pb.AllocRequest(session_id=self.session_id, num_tokens=list(num_tokens)))
+        return [codec.slots_array(a.indices) for a in resp.allocations]
+
+    async def free(self, indices: Any) -> int:
+        return (await self._call("Free", pb.FreeRequest(session_id=self.session_id,
+                                                        indices=codec.slots_bytes(indices)))).freed
+
+    async def insert_batch(self, items: Iterable[dict]) -> list[codec.Inserted]:
+        resp = await self._call("Insert", pb.InsertRequest(session_id=self.session_id,
+                                                           items=codec.insert_items(items, False)))
+        return codec.inserted(resp.results)
+
+    async def match_batch(self, keys: Sequence[Any], *, lock: bool = False, extra_key: str = "",
+                          cache_salt: str = "") -> list[codec.Match]:
+        return codec.matches(await self._call("MatchPrefix", codec.match_request(self.session_id, keys, lock,
+                                                                                 extra_key, cache_salt)))
+
+    async def match_prefix(self, tokens: Any, **kw) -> codec.Match:
+        return (await self.match_batch([tokens], **kw))[0]
+
+    async def unlock(self, receipt_ids: Sequence[int]) -> None:
+        await self._call("Unlock", pb.UnlockRequest(session_id=self.session_id, receipt_id=list(receipt_ids)))
+
+    async def cache_finished(self, items: Iterable[dict]) -> list[codec.Inserted]:
+        resp = await self._call("CacheFinished", pb.CacheFinishedRequest(session_id=self.session_id,
+                                                                         items=codec.insert_items(items, True)))
+        return codec.inserted(resp.results)
+
+    async def evict(self, num_tokens: int) -> int:
+        return (await self._call("Evict", pb.EvictRequest(num_tokens=num_tokens))).evicted_tokens
+
+    async def stats(self) -> dict[str, int]:
+        return codec.stats_dict(await self._call("GetStats", pb.GetStatsRequest()))
+
+    async def check(self) -> list[str]:
+        return list((await self._call("CheckInvariants", pb.CheckInvariantsRequest())).violations)
+
+    async def echo(self, payload: bytes) -> bytes:
+        return (await self._call("Echo", pb.EchoRequest(payload=payload))).payload

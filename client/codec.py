@@ -1,0 +1,115 @@
+"""Request building and response decoding shared by the sync and asyncio clients."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional, Sequence
+
+import numpy as np
+
+from radixd.proto import cache_pb2 as pb
+from radixd.server.pools.descriptor import BufferDesc, PoolDescriptor
+
+
+def tokens_bytes(tokens: Any) -> bytes:
+    """numpy / torch / list / bytes -> packed little-endian int32."""
+    if isinstance(tokens, (bytes, bytearray)):
+        return bytes(tokens)
+    if hasattr(tokens, "detach"):  # torch
+        tokens = tokens.detach().cpu().numpy()
+    return np.asarray(tokens, dtype="<i4").tobytes()
+
+
+def slots_bytes(indices: Any) -> bytes:
+    """numpy / torch / list -> packed little-endian int64."""
+    if isinstance(indices, (bytes, bytearray)):
+        return bytes(indices)
+    if hasattr(indices, "detach"):
+        indices = indices.detach().cpu().numpy()
+    return np.asarray(indices, dtype="<i8").tobytes()
+
+
+def slots_array(raw: bytes) -> np.ndarray:
+    return np.frombuffer(raw, dtype="<i8")
+
+
+@dataclass(frozen=True)
+class Match:
+    """MatchPrefix result: device slot indices (int64), lengths, node handle and lock receipt (0 = none)."""
+
+    indices: np.ndarray
+    matched_len: int
+    host_hit_len: int
+    node_id: int
+    receipt_id: int
+
+
+@dataclass(frozen=True)
+class Inserted:
+    prefix_len: int
+    node_id: int
+    freed_duplicates: int
+    adopted: int
+
+
+def match_request(session_id: str, keys: Sequence[Any], lock: bool, extra_key: str, cache_salt: str):
+    return pb.MatchRequest(session_id=session_id, items=[
+        pb.MatchItem(tokens=tokens_bytes(k), extra_key=extra_key, cache_salt=cache_salt, lock=lock) for k in keys])
+
+
+def matches(resp) -> list[Match]:
+    return [Match(slots_array(r.device_indices), r.matched_len, r.host_hit_len, r.node_id, r.receipt_id)
+            for r in resp.results]
+
+
+def insert_items(items: Iterable[dict], finished: bool) -> list:
+    cls = pb.FinishedItem if finished else pb.InsertItem
+    out = []
+    for it in items:
+        kw = dict(tokens=tokens_bytes(it["tokens"]), indices=slots_bytes(it["indices"]),
+                  extra_key=it.get("extra_key", ""), cache_salt=it.get("cache_salt", ""),
+                  prev_prefix_len=int(it.get("prev_prefix_len", 0)), priority=int(it.get("priority", 0)))
+        if finished:
+            kw["receipt_id"] = int(it.get("receipt_id", 0))
+        out.append(cls(**kw))
+    return out
+
+
+def inserted(results) -> list[Inserted]:
+    return [Inserted(r.prefix_len, r.node_id, r.freed_duplicates, r.adopted) for r in results]
+
+
+def descriptor(msg) -> PoolDescriptor:
+    return PoolDescriptor(
+        instance_id=msg.instance_id, tier=msg.tier, backend=msg.backend, handle=msg.handle,
+        size_bytes=msg.size_bytes, dtype=msg.dtype, num_layers=msg.num_layers, kv_heads=msg.kv_heads,
+        head_dim=msg.head_dim, page_size=msg.page_size, num_slots=msg.num_slots, mla=msg.mla, layout=msg.layout,
+        buffers=tuple(BufferDesc(b.name, b.offset, tuple(b.shape)) for b in msg.buffers), gpu_uuid=msg.gpu_uuid,
+        device_index=msg.device_index, pinned=msg.pinned)
+
+
+def stats_dict(msg) -> dict[str, int]:
+    return {f.name: getattr(msg, f.name) for f in msg.DESCRIPTOR.fields}
+
+
+def info_dict(msg) -> dict[str, Any]:
+    return dict(instance_id=msg.instance_id, page_size=msg.page_size, eviction_policy=msg.eviction_policy,
+                version=msg.version, capacity_tokens=msg.capacity_tokens, max_batch_tokens=msg.max_batch_tokens,
+                device_pools=[descriptor(p) for p in msg.device_pools],
+                host_pool=descriptor(msg.host_pool) if msg.HasField("host_pool") else None)
+
+
+def channel_options(max_bytes: int = 256 << 20) -> list:
+    return [("grpc.max_receive_message_length", max_bytes), ("grpc.max_send_message_length", max_bytes),
+            ("grpc.keepalive_time_ms", 10000), ("grpc.keepalive_permit_without_calls", 1)]
+
+
+@dataclass
+class MappedPools:
+    """Every pool of a server mapped into this process."""
+
+    device: list
+    host: Optional[Any]
+
+    def close(self) -> None:
+        for p in self.device + ([self.host] if self.host else []):
+            p.close()

@@ -1,0 +1,385 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GetInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class BufferDescriptor(_message.Message):
+    __slots__ = ("name", "offset", "shape")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    offset: int
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PoolDescriptor(_message.Message):
+    __slots__ = ("instance_id", "tier", "backend", "handle", "size_bytes", "dtype", "num_layers", "kv_heads", "head_dim", "page_size", "num_slots", "mla", "layout", "buffers", "gpu_uuid", "device_index", "pinned")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    MLA_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    GPU_UUID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    tier: str
+    backend: str
+    handle: bytes
+    size_bytes: int
+    dtype: str
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    page_size: int
+    num_slots: int
+    mla: bool
+    layout: str
+    buffers: _containers.RepeatedCompositeFieldContainer[BufferDescriptor]
+    gpu_uuid: str
+    device_index: int
+    pinned: bool
+    def __init__(self, instance_id: _Optional[str] = ..., tier: _Optional[str] = ..., backend: _Optional[str] = ..., handle: _Optional[bytes] = ..., size_bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., page_size: _Optional[int] = ..., num_slots: _Optional[int] = ..., mla: _Optional[bool] = ..., layout: _Optional[str] = ..., buffers: _Optional[_Iterable[_Union[BufferDescriptor, _Mapping]]] = ..., gpu_uuid: _Optional[str] = ..., device_index: _Optional[int] = ..., pinned: _Optional[bool] = ...) -> None: ...
+
+class ServerInfo(_message.Message):
+    __slots__ = ("instance_id", "page_size", "device_pools", "host_pool", "eviction_policy", "version", "capacity_tokens", "max_batch_tokens")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_POOLS_FIELD_NUMBER: _ClassVar[int]
+    HOST_POOL_FIELD_NUMBER: _ClassVar[int]
+    EVICTION_POLICY_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    page_size: int
+    device_pools: _containers.RepeatedCompositeFieldContainer[PoolDescriptor]
+    host_pool: PoolDescriptor
+    eviction_policy: str
+    version: str
+    capacity_tokens: int
+    max_batch_tokens: int
+    def __init__(self, instance_id: _Optional[str] = ..., page_size: _Optional[int] = ..., device_pools: _Optional[_Iterable[_Union[PoolDescriptor, _Mapping]]] = ..., host_pool: _Optional[_Union[PoolDescriptor, _Mapping]] = ..., eviction_policy: _Optional[str] = ..., version: _Optional[str] = ..., capacity_tokens: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ...) -> None: ...
+
+class AttachRequest(_message.Message):
+    __slots__ = ("client_name",)
+    CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    client_name: str
+    def __init__(self, client_name: _Optional[str] = ...) -> None: ...
+
+class SessionEvent(_message.Message):
+    __slots__ = ("session_id", "instance_id", "message")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    instance_id: str
+    message: str
+    def __init__(self, session_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class AllocRequest(_message.Message):
+    __slots__ = ("session_id", "num_tokens")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    num_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., num_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Slots(_message.Message):
+    __slots__ = ("indices",)
+    INDICES_FIELD_NUMBER: _ClassVar[int]
+    indices: bytes
+    def __init__(self, indices: _Optional[bytes] = ...) -> None: ...
+
+class AllocResponse(_message.Message):
+    __slots__ = ("allocations", "evicted_tokens")
+    ALLOCATIONS_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    allocations: _containers.RepeatedCompositeFieldContainer[Slots]
+    evicted_tokens: int
+    def __init__(self, allocations: _Optional[_Iterable[_Union[Slots, _Mapping]]] = ..., evicted_tokens: _Optional[int] = ...) -> None: ...
+
+class FreeRequest(_message.Message):
+    __slots__ = ("session_id", "indices")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    INDICES_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    indices: bytes
+    def __init__(self, session_id: _Optional[str] = ..., indices: _Optional[bytes] = ...) -> None: ...
+
+class FreeResponse(_message.Message):
+    __slots__ = ("freed",)
+    FREED_FIELD_NUMBER: _ClassVar[int]
+    freed: int
+    def __init__(self, freed: _Optional[int] = ...) -> None: ...
+
+class InsertItem(_message.Message):
+    __slots__ = ("tokens", "indices", "extra_key", "cache_salt", "prev_prefix_len", "priority")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    INDICES_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_KEY_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    PREV_PREFIX_LEN_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    tokens: bytes
+    indices: bytes
+    extra_key: str
+    cache_salt: str
+    prev_prefix_len: int
+    priority: int
+    def __init__(self, tokens: _Optional[bytes] = ..., indices: _Optional[bytes] = ..., extra_key: _Optional[str] = ..., cache_salt: _Optional[str] = ..., prev_prefix_len: _Optional[int] = ..., priority: _Optional[int] = ...) -> None: ...
+
+class InsertRequest(_message.Message):
+    __slots__ = ("session_id", "items")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    items: _containers.RepeatedCompositeFieldContainer[InsertItem]
+    def __init__(self, session_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[InsertItem, _Mapping]]] = ...) -> None: ...
+
+class InsertResult(_message.Message):
+    __slots__ = ("prefix_len", "node_id", "freed_duplicates", "adopted")
+    PREFIX_LEN_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    FREED_DUPLICATES_FIELD_NUMBER: _ClassVar[int]
+    ADOPTED_FIELD_NUMBER: _ClassVar[int]
+    prefix_len: int
+    node_id: int
+    freed_duplicates: int
+    adopted: int
+    def __init__(self, prefix_len: _Optional[int] = ..., node_id: _Optional[int] = ..., freed_duplicates: _Optional[int] = ..., adopted: _Optional[int] = ...) -> None: ...
+
+class InsertResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[InsertResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[InsertResult, _Mapping]]] = ...) -> None: ...
+
+class MatchItem(_message.Message):
+    __slots__ = ("tokens", "extra_key", "cache_salt", "lock")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_KEY_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    LOCK_FIELD_NUMBER: _ClassVar[int]
+    tokens: bytes
+    extra_key: str
+    cache_salt: str
+    lock: bool
+    def __init__(self, tokens: _Optional[bytes] = ..., extra_key: _Optional[str] = ..., cache_salt: _Optional[str] = ..., lock: _Optional[bool] = ...) -> None: ...
+
+class MatchRequest(_message.Message):
+    __slots__ = ("session_id", "items")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    items: _containers.RepeatedCompositeFieldContainer[MatchItem]
+    def __init__(self, session_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[MatchItem, _Mapping]]] = ...) -> None: ...
+
+class MatchResult(_message.Message):
+    __slots__ = ("device_indices", "matched_len", "host_hit_len", "node_id", "receipt_id")
+    DEVICE_INDICES_FIELD_NUMBER: _ClassVar[int]
+    MATCHED_LEN_FIELD_NUMBER: _ClassVar[int]
+    HOST_HIT_LEN_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    RECEIPT_ID_FIELD_NUMBER: _ClassVar[int]
+    device_indices: bytes
+    matched_len: int
+    host_hit_len: int
+    node_id: int
+    receipt_id: int
+    def __init__(self, device_indices: _Optional[bytes] = ..., matched_len: _Optional[int] = ..., host_hit_len: _Optional[int] = ..., node_id: _Optional[int] = ..., receipt_id: _Optional[int] = ...) -> None: ...
+
+class MatchResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[MatchResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[MatchResult, _Mapping]]] = ...) -> None: ...
+
+class LockRequest(_message.Message):
+    __slots__ = ("session_id", "node_id")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    node_id: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., node_id: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class LockResponse(_message.Message):
+    __slots__ = ("receipt_id",)
+    RECEIPT_ID_FIELD_NUMBER: _ClassVar[int]
+    receipt_id: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, receipt_id: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class UnlockRequest(_message.Message):
+    __slots__ = ("session_id", "receipt_id")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    RECEIPT_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    receipt_id: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., receipt_id: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class UnlockResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class FinishedItem(_message.Message):
+    __slots__ = ("tokens", "indices", "extra_key", "cache_salt", "prev_prefix_len", "priority", "receipt_id")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    INDICES_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_KEY_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    PREV_PREFIX_LEN_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    RECEIPT_ID_FIELD_NUMBER: _ClassVar[int]
+    tokens: bytes
+    indices: bytes
+    extra_key: str
+    cache_salt: str
+    prev_prefix_len: int
+    priority: int
+    receipt_id: int
+    def __init__(self, tokens: _Optional[bytes] = ..., indices: _Optional[bytes] = ..., extra_key: _Optional[str] = ..., cache_salt: _Optional[str] = ..., prev_prefix_len: _Optional[int] = ..., priority: _Optional[int] = ..., receipt_id: _Optional[int] = ...) -> None: ...
+
+class CacheFinishedRequest(_message.Message):
+    __slots__ = ("session_id", "items")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    items: _containers.RepeatedCompositeFieldContainer[FinishedItem]
+    def __init__(self, session_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[FinishedItem, _Mapping]]] = ...) -> None: ...
+
+class CacheFinishedResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[InsertResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[InsertResult, _Mapping]]] = ...) -> None: ...
+
+class CacheUnfinishedRequest(_message.Message):
+    __slots__ = ("session_id", "items")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    items: _containers.RepeatedCompositeFieldContainer[FinishedItem]
+    def __init__(self, session_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[FinishedItem, _Mapping]]] = ...) -> None: ...
+
+class UnfinishedResult(_message.Message):
+    __slots__ = ("insert", "device_indices", "matched_len", "node_id", "receipt_id")
+    INSERT_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_INDICES_FIELD_NUMBER: _ClassVar[int]
+    MATCHED_LEN_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    RECEIPT_ID_FIELD_NUMBER: _ClassVar[int]
+    insert: InsertResult
+    device_indices: bytes
+    matched_len: int
+    node_id: int
+    receipt_id: int
+    def __init__(self, insert: _Optional[_Union[InsertResult, _Mapping]] = ..., device_indices: _Optional[bytes] = ..., matched_len: _Optional[int] = ..., node_id: _Optional[int] = ..., receipt_id: _Optional[int] = ...) -> None: ...
+
+class CacheUnfinishedResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[UnfinishedResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[UnfinishedResult, _Mapping]]] = ...) -> None: ...
+
+class EvictRequest(_message.Message):
+    __slots__ = ("num_tokens",)
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    num_tokens: int
+    def __init__(self, num_tokens: _Optional[int] = ...) -> None: ...
+
+class EvictResponse(_message.Message):
+    __slots__ = ("evicted_tokens",)
+    EVICTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    evicted_tokens: int
+    def __init__(self, evicted_tokens: _Optional[int] = ...) -> None: ...
+
+class GetStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Stats(_message.Message):
+    __slots__ = ("capacity_tokens", "free_tokens", "cached_tokens", "evictable_tokens", "protected_tokens", "held_tokens", "in_flight_tokens", "num_nodes", "sessions", "hit_tokens_total", "queried_tokens_total", "evicted_tokens_total", "host_capacity_tokens", "host_free_tokens", "host_cached_tokens", "receipts")
+    CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FREE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EVICTABLE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROTECTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HELD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_NODES_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    HIT_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    QUERIED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    HOST_CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HOST_FREE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HOST_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RECEIPTS_FIELD_NUMBER: _ClassVar[int]
+    capacity_tokens: int
+    free_tokens: int
+    cached_tokens: int
+    evictable_tokens: int
+    protected_tokens: int
+    held_tokens: int
+    in_flight_tokens: int
+    num_nodes: int
+    sessions: int
+    hit_tokens_total: int
+    queried_tokens_total: int
+    evicted_tokens_total: int
+    host_capacity_tokens: int
+    host_free_tokens: int
+    host_cached_tokens: int
+    receipts: int
+    def __init__(self, capacity_tokens: _Optional[int] = ..., free_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., evictable_tokens: _Optional[int] = ..., protected_tokens: _Optional[int] = ..., held_tokens: _Optional[int] = ..., in_flight_tokens: _Optional[int] = ..., num_nodes: _Optional[int] = ..., sessions: _Optional[int] = ..., hit_tokens_total: _Optional[int] = ..., queried_tokens_total: _Optional[int] = ..., evicted_tokens_total: _Optional[int] = ..., host_capacity_tokens: _Optional[int] = ..., host_free_tokens: _Optional[int] = ..., host_cached_tokens: _Optional[int] = ..., receipts: _Optional[int] = ...) -> None: ...
+
+class CheckInvariantsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CheckInvariantsResponse(_message.Message):
+    __slots__ = ("ok", "violations")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    VIOLATIONS_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    violations: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, ok: _Optional[bool] = ..., violations: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ResetRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResetResponse(_message.Message):
+    __slots__ = ("freed_tokens",)
+    FREED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    freed_tokens: int
+    def __init__(self, freed_tokens: _Optional[int] = ...) -> None: ...
+
+class EchoRequest(_message.Message):
+    __slots__ = ("payload",)
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    payload: bytes
+    def __init__(self, payload: _Optional[bytes] = ...) -> None: ...
+
+class EchoResponse(_message.Message):
+    __slots__ = ("payload",)
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    payload: bytes
+    def __init__(self, payload: _Optional[bytes] = ...) -> None: ...

@@ -1,0 +1,154 @@
+"""Build and run the server: pools, engine, gRPC (health, reflection, auth, TLS), metrics, signals."""
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import os
+import signal
+import uuid
+import zlib
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from radixd.proto import cache_pb2, cache_pb2_grpc
+
+from .config import Config
+from .core import CacheCore
+from .metrics import Metrics
+from .pools.allocator import SlotAllocator
+from .pools.cuda import cuda_available
+from .pools.pool import KVPool
+from .pools.shm import cleanup_stale
+from .pools.spec import PoolSpec
+from .service import RadixCacheService, TokenAuth
+from .tree import RadixTree
+
+log = logging.getLogger("radixd")
+SERVICE_NAME = cache_pb2.DESCRIPTOR.services_by_name["RadixCache"].full_name
+
+
+def pick_backend(device: str) -> str:
+    """auto -> cuda when a GPU is visible, else shm."""
+    if device == "cpu":
+        return "shm"
+    if device == "cuda":
+        if not cuda_available():
+            raise SystemExit("--device cuda: no CUDA GPU visible (or cupy missing)")
+        return "cuda"
+    return "cuda" if cuda_available() else "shm"
+
+
+def _is_loopback(host: str) -> bool:
+    if host in ("localhost", ""):
+        return host == "localhost"
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def build_core(cfg: Config, instance_id: str) -> CacheCore:
+    """Pools, allocators and tree for a config."""
+    backend = pick_backend(cfg.device)
+    spec = PoolSpec(num_layers=cfg.layers, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, dtype=cfg.dtype,
+                    page_size=cfg.page_size, num_slots=cfg.num_slots, mla=cfg.mla)
+    gpus = cfg.gpus if backend == "cuda" else [0]
+    device_pools = [KVPool(spec, "device", instance_id, backend, device_index=g, index=i) for i, g in enumerate(gpus)]
+    host_pool = host_alloc = None
+    if cfg.host_slots:
+        host_pool = KVPool(spec.with_slots(cfg.host_slots, cfg.host_layout), "host", instance_id, "shm",
+                           pin=backend == "cuda")
+        host_alloc = SlotAllocator(cfg.host_slots, cfg.page_size)
+    tag = zlib.crc32(instance_id.encode()) & 0xFFFF
+    tree = RadixTree(page_size=cfg.page_size, policy=cfg.eviction_policy, bigram=cfg.bigram, instance_tag=tag)
+    return CacheCore(tree, SlotAllocator(cfg.num_slots, cfg.page_size), instance_id, device_pools, host_pool,
+                     host_alloc, max_batch_tokens=cfg.num_slots)
+
+
+async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
+    """Run until SIGTERM/SIGINT; then NOT_SERVING, graceful stop, pools unlinked."""
+    removed = cleanup_stale()
+    if removed:
+        log.info("removed %d stale shared-memory segments of dead servers", len(removed))
+    instance_id = uuid.uuid4().hex
+    core = build_core(cfg, instance_id)
+    metrics = Metrics(core)
+    stopping = asyncio.Event()
+    msg_limit = max(64 << 20, cfg.num_slots * 16 + (1 << 20))
+    options = [("grpc.max_receive_message_length", msg_limit), ("grpc.max_send_message_length", msg_limit),
+               ("grpc.keepalive_time_ms", 10000), ("grpc.keepalive_timeout_ms", 5000),
+               ("grpc.http2.max_pings_without_data", 0), ("grpc.keepalive_permit_without_calls", 1)]
+    interceptors = [TokenAuth(cfg.token)] if cfg.token else []
+    server = grpc.aio.server(options=options, interceptors=interceptors)
+    cache_pb2_grpc.add_RadixCacheServicer_to_server(
+        RadixCacheService(core, metrics, stopping, cfg.eviction_policy), server)
+    health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    creds = None
+    if cfg.tls_cert and cfg.tls_key:
+        with open(cfg.tls_key, "rb") as k, open(cfg.tls_cert, "rb") as c:
+            creds = grpc.ssl_server_credentials([(k.read(), c.read())])
+    sockets = []
+    for addr in cfg.listen:
+        if addr.startswith("unix:"):
+            path = addr[5:]
+            path = path[2:] if path.startswith("//") else path  # unix:///abs and unix:/abs
+            if os.path.exists(path):
+                os.unlink(path)  # a leftover socket of a dead server
+            old = os.umask(0o177)
+            try:
+                server.add_insecure_port(f"unix:{path}")
+            finally:
+                os.umask(old)
+            sockets.append(path)
+        else:
+            host = addr.rsplit(":", 1)[0]
+            if not cfg.token and not cfg.allow_remote and not _is_loopback(host):
+                raise SystemExit(f"refusing to listen on {addr} without --token (pass --allow-remote to insist)")
+            port = server.add_secure_port(addr, creds) if creds else server.add_insecure_port(addr)
+            if port == 0:
+                raise SystemExit(f"cannot bind {addr}")
+    mhost, mport = cfg.metrics_addr.rsplit(":", 1)
+    metrics_at = metrics.serve(mhost, int(mport)) if cfg.metrics_addr else ""
+    await server.start()
+    for path in sockets:
+        os.chmod(path, 0o600)
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+    pools = ",".join(f"{p.backend}:{p.tier}" for p in core.device_pools + ([core.host_pool] if core.host_pool else []))
+    log.info("radixd %s instance=%s pools=%s metrics=http://%s/metrics %s", __import__("radixd.server").server.__version__,
+             instance_id, pools, metrics_at, cfg.summary())
+    print(f"radixd ready listen={','.join(cfg.listen)} metrics=http://{metrics_at}/metrics instance={instance_id}",
+          flush=True)
+    loop = asyncio.get_running_loop()
+    done = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, done.set)
+    if ready is not None:
+        ready.set()
+    try:
+        await done.wait()
+        log.info("shutting down: NOT_SERVING, grace %.1fs", cfg.grace_seconds)
+        await health_servicer.enter_graceful_shutdown()
+        stopping.set()
+        await server.stop(cfg.grace_seconds)
+    finally:
+        for p in core.device_pools + ([core.host_pool] if core.host_pool else []):
+            p.close()
+        for path in sockets:
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+def run(cfg: Config) -> None:
+    """Run the server on uvloop when available (one event loop owns everything)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    try:
+        import uvloop
+        uvloop.run(serve(cfg))
+    except ImportError:  # pragma: no cover
+        asyncio.run(serve(cfg))

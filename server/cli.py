@@ -1,0 +1,141 @@
+"""`radixd` command line: serve, demo, stats, check, info."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from .config import DEFAULT_SOCKET
+
+SERVE_FLAGS = [
+    ("--listen", dict(action="append", help="unix:PATH or HOST:PORT (repeatable)")),
+    ("--device", dict(choices=["auto", "cpu", "cuda"])),
+    ("--gpus", dict(help="comma-separated GPU ordinals for device pools (cuda)")),
+    ("--num-slots", dict(type=int)),
+    ("--page-size", dict(type=int)),
+    ("--eviction-policy", dict(choices=["lru", "lfu", "fifo", "mru", "filo", "priority", "slru"])),
+    ("--layers", dict(type=int)),
+    ("--kv-heads", dict(type=int)),
+    ("--head-dim", dict(type=int)),
+    ("--dtype", dict(choices=["float16", "bfloat16", "float32", "fp8_e4m3"])),
+    ("--mla", dict(action="store_const", const=True)),
+    ("--host-slots", dict(type=int)),
+    ("--host-layout", dict(choices=["layer_first", "page_first"])),
+    ("--bigram", dict(action="store_const", const=True)),
+    ("--metrics-addr", dict(help="HOST:PORT of the Prometheus endpoint (port 0 picks one)")),
+    ("--config", dict(help="TOML file ([radixd] table or top-level keys)")),
+    ("--token", dict(help="require this bearer token")),
+    ("--tls-cert", dict()),
+    ("--tls-key", dict()),
+    ("--allow-remote", dict(action="store_const", const=True, help="listen beyond loopback without a token")),
+    ("--grace-seconds", dict(type=float)),
+]
+
+
+def _client(args):
+    from radixd.client import CacheClient
+    return CacheClient(args.target, token=args.token or os.environ.get("RADIXD_TOKEN"), attach=False)
+
+
+def cmd_serve(args) -> None:
+    from .app import run
+    from .config import load
+    flags = {name[2:].replace("-", "_"): getattr(args, name[2:].replace("-", "_")) for name, _ in SERVE_FLAGS}
+    run(load(flags))
+
+
+def cmd_stats(args) -> None:
+    print(json.dumps(_client(args).stats(), indent=2))
+
+
+def cmd_info(args) -> None:
+    info = _client(args).info()
+    info["device_pools"] = [p.to_dict() for p in info["device_pools"]]
+    info["host_pool"] = info["host_pool"].to_dict() if info["host_pool"] else None
+    print(json.dumps(info, indent=2))
+
+
+def cmd_check(args) -> None:
+    bad = _client(args).check()
+    print("ok" if not bad else "\n".join(bad))
+    sys.exit(1 if bad else 0)
+
+
+def cmd_demo(args) -> None:
+    """Start a server on a private socket, run a small multi-turn workload through it, print what happened."""
+    import numpy as np
+
+    from radixd.client import CacheClient
+    sock = os.path.join(tempfile.mkdtemp(prefix="radixd-demo-"), "radixd.sock")
+    server = subprocess.Popen([sys.executable, "-m", "radixd.server.cli", "serve", "--listen", f"unix:{sock}",
+                               "--num-slots", "32768", "--metrics-addr", "127.0.0.1:0"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        line = server.stdout.readline()
+        if "ready" not in line:
+            sys.exit(f"server did not start: {line}")
+        print(line.strip())
+        metrics_url = line.split("metrics=")[1].split()[0]
+        with CacheClient(f"unix://{sock}", name="demo") as c:
+            info = c.info()
+            pools = c.map_pools()
+            print(f"pools: {[p.backend + ':' + p.tier for p in info['device_pools']]} "
+                  f"k_buffer[0] {tuple(pools.device[0].k_buffer[0].shape)} {pools.device[0].k_buffer[0].dtype}")
+            rng = np.random.default_rng(0)
+            system = rng.integers(0, 32000, 400, dtype=np.int32)
+            lat = []
+            for conv in range(args.conversations):
+                history = system
+                for turn in range(4):
+                    prompt = np.concatenate([history, rng.integers(0, 32000, 60, dtype=np.int32)])
+                    t0 = time.perf_counter()
+                    m = c.match_prefix(prompt, lock=True)
+                    lat.append(time.perf_counter() - t0)
+                    new = c.alloc(len(prompt) - m.matched_len + 40)
+                    full = np.concatenate([prompt, rng.integers(0, 32000, 40, dtype=np.int32)])
+                    kv = np.concatenate([m.indices, new[:len(full) - m.matched_len]])
+                    pools.device[0].k_buffer[0][kv[-1]] = float(turn)  # the "forward pass" writes KV
+                    c.cache_finished([dict(tokens=full, indices=kv, prev_prefix_len=m.matched_len,
+                                           receipt_id=m.receipt_id)])
+                    c.free(new[len(full) - m.matched_len:])
+                    history = full
+            s = c.stats()
+            bad = c.check()
+            pools.close()
+        lat_us = np.array(lat) * 1e6
+        print(f"requests: {len(lat)}  hit rate: {s['hit_tokens_total'] / max(s['queried_tokens_total'], 1):.1%}  "
+              f"MatchPrefix p50 {np.percentile(lat_us, 50):.0f} us p99 {np.percentile(lat_us, 99):.0f} us")
+        print(f"cached tokens: {s['cached_tokens']}  nodes: {s['num_nodes']}  free slots: {s['free_tokens']}  "
+              f"invariants: {'ok' if not bad else bad}")
+        print(f"metrics: {metrics_url}")
+    finally:
+        server.terminate()
+        server.wait(10)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="radixd", description="KV-cache manager for LLM serving")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    serve = sub.add_parser("serve", help="run the server")
+    for name, kw in SERVE_FLAGS:
+        serve.add_argument(name, default=None, **kw)
+    serve.set_defaults(fn=cmd_serve)
+    demo = sub.add_parser("demo", help="start a server and run a short demo client against it")
+    demo.add_argument("--conversations", type=int, default=20)
+    demo.set_defaults(fn=cmd_demo)
+    for name, fn, help_ in (("stats", cmd_stats, "print server statistics"), ("info", cmd_info, "print pools"),
+                            ("check", cmd_check, "run the server's invariant checker")):
+        p = sub.add_parser(name, help=help_)
+        p.add_argument("--target", default=os.environ.get("RADIXD_TARGET", DEFAULT_SOCKET.replace("unix:", "unix://")))
+        p.add_argument("--token", default=None)
+        p.set_defaults(fn=fn)
+    args = ap.parse_args(argv)
+    args.fn(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""Configuration: defaults < TOML file < RADIXD_* environment < command-line flags."""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+DEFAULT_SOCKET = f"unix:/tmp/radixd-{os.getuid()}.sock"
+
+
+@dataclass
+class Config:
+    """Everything `radixd serve` can be told."""
+
+    listen: list[str] = field(default_factory=lambda: [DEFAULT_SOCKET])
+    device: str = "auto"  # auto | cpu | cuda
+    gpus: list[int] = field(default_factory=lambda: [0])
+    num_slots: int = 65536
+    page_size: int = 1
+    eviction_policy: str = "lru"
+    layers: int = 4
+    kv_heads: int = 4
+    head_dim: int = 64
+    dtype: str = "float16"
+    mla: bool = False
+    host_slots: int = 0
+    host_layout: str = "page_first"
+    bigram: bool = False
+    metrics_addr: str = "127.0.0.1:0"
+    token: Optional[str] = None
+    tls_cert: Optional[str] = None
+    tls_key: Optional[str] = None
+    allow_remote: bool = False  # bind TCP beyond loopback without a token
+    grace_seconds: float = 5.0
+    config: Optional[str] = None
+
+    def summary(self) -> str:
+        """One line of the effective config, secrets hidden."""
+        parts = []
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name == "token":
+                v = "***" if v else None
+            parts.append(f"{f.name}={v}")
+        return " ".join(parts)
+
+
+_LISTS = {"listen", "gpus"}
+
+
+def _coerce(name: str, value: Any) -> Any:
+    typ = {f.name: f.type for f in fields(Config)}[name]
+    if name in _LISTS:
+        items = value if isinstance(value, list) else [x for x in str(value).split(",") if x]
+        return [int(x) for x in items] if name == "gpus" else [str(x) for x in items]
+    if isinstance(value, str) and "bool" in str(typ):
+        return value.lower() in ("1", "true", "yes", "on")
+    if "int" in str(typ) and "Optional" not in str(typ):
+        return int(value)
+    if "float" in str(typ):
+        return float(value)
+    return value
+
+
+def load(flags: dict[str, Any]) -> Config:
+    """Merge the sources; flags holds only what was given on the command line."""
+    cfg = Config()
+    names = {f.name for f in fields(Config)}
+    path = flags.get("config") or os.environ.get("RADIXD_CONFIG")
+    if path:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+        data = data.get("radixd", data)
+        for k, v in data.items():
+            k = k.replace("-", "_")
+            if k not in names:
+                raise ValueError(f"{path}: unknown setting {k!r}")
+            setattr(cfg, k, _coerce(k, v))
+    for k in names:
+        env = os.environ.get(f"RADIXD_{k.upper()}")
+        if env is not None:
+            setattr(cfg, k, _coerce(k, env))
+    for k, v in flags.items():
+        if v is not None:
+            setattr(cfg, k, _coerce(k, v))
+    return cfg

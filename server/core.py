@@ -1,0 +1,317 @@
+"""The cache engine: tree + slot allocator + pools + sessions; executes what the tree decides.
+
+Every public method validates its whole batch first and only then mutates, so an error changes nothing.
+It is synchronous and owned by one event loop: no locks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from .errors import BadRequest, Conflict, Denied, Exhausted, NotFound
+from .pools.allocator import FREE, HELD, TREE, SlotAllocator, SlotError
+from .pools.pool import KVPool
+from .sessions import Session, SessionTable
+from .tree import RadixTree
+from .tree.errors import ForeignHandle, InvalidInput, LocksHeld, StaleHandle, UnknownReceipt
+
+Namespace = tuple[str, str]
+
+
+@dataclass
+class Item:
+    """One decoded insert / finished item."""
+
+    tokens: np.ndarray  # int32
+    indices: np.ndarray  # int64
+    ns: Namespace
+    prev_prefix_len: int = 0
+    priority: int = 0
+    receipt: int = 0
+
+
+@dataclass
+class InsertOutcome:
+    prefix_len: int
+    node_id: int
+    freed_duplicates: int
+    adopted: int
+
+
+def decode_tokens(raw: bytes, what: str = "tokens") -> np.ndarray:
+    """Packed little-endian int32 token ids; negative ids are malformed."""
+    if len(raw) % 4:
+        raise BadRequest(f"{what}: {len(raw)} bytes is not a whole number of int32 tokens")
+    arr = np.frombuffer(raw, dtype="<i4")
+    if arr.size and int(arr.min()) < 0:
+        raise BadRequest(f"{what}: token ids must be >= 0 (found {int(arr.min())})")
+    return arr
+
+
+def decode_slots(raw: bytes, capacity: int, what: str = "indices") -> np.ndarray:
+    """Packed little-endian int64 slot indices, each in [0, capacity)."""
+    if len(raw) % 8:
+        raise BadRequest(f"{what}: {len(raw)} bytes is not a whole number of int64 slot indices")
+    arr = np.frombuffer(raw, dtype="<i8")
+    if arr.size:
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0 or hi >= capacity:
+            raise BadRequest(f"{what}: slot index {lo if lo < 0 else hi} outside [0, {capacity})")
+    return arr
+
+
+def _tree_error(e: Exception) -> Exception:
+    if isinstance(e, (StaleHandle, UnknownReceipt)):
+        return NotFound(str(e))
+    if isinstance(e, (ForeignHandle, LocksHeld)):
+        return Conflict(str(e))
+    if isinstance(e, InvalidInput):
+        return BadRequest(str(e))
+    return e
+
+
+class CacheCore:
+    """Owns the tree, the device-slot allocator, the pools and the session table."""
+
+    def __init__(self, tree: RadixTree, allocator: SlotAllocator, instance_id: str,
+                 device_pools: Optional[list[KVPool]] = None, host_pool: Optional[KVPool] = None,
+                 host_allocator: Optional[SlotAllocator] = None, max_batch_tokens: int = 1 << 24):
+        self.tree = tree
+        self.alloc = allocator
+        self.instance_id = instance_id
+        self.device_pools = device_pools or []
+        self.host_pool = host_pool
+        self.host_alloc = host_allocator
+        self.sessions = SessionTable()
+        self.max_batch_tokens = max_batch_tokens
+        self.in_flight = 0  # no transfers yet: the host tier's copies will count here
+
+    # ------------------------------------------------------------ sessions
+    def session(self, session_id: str) -> Session:
+        return self.sessions.get(session_id)
+
+    def attach(self, client_name: str) -> Session:
+        return self.sessions.create(client_name)
+
+    def end_session(self, s: Session) -> tuple[int, int]:
+        """Release every receipt and held slot of a session; returns (receipts, slots) released."""
+        receipts = list(s.receipts)
+        for r in receipts:
+            if self.tree.has_receipt(r):
+                self.tree.unlock(r)
+        held = self.alloc.held_by(s.owner)
+        self.alloc.move(held, HELD, FREE, s.owner, check=False)
+        self.sessions.remove(s)
+        return len(receipts), int(held.size)
+
+    # ---------------------------------------------------------- allocation
+    def _make_room(self, pages: int) -> int:
+        """Evict until `pages` are free; all or nothing up front (never evicts needlessly)."""
+        short = pages - self.alloc.free_pages()
+        if short <= 0:
+            return 0
+        p = self.alloc.page_size
+        if short * p > self.tree.evictable_size:
+            raise Exhausted(f"need {pages} free pages, {self.alloc.free_pages()} free and only "
+                            f"{self.tree.evictable_size} evictable tokens")
+        evicted = 0
+        while self.alloc.free_pages() < pages:
+            r = self.tree.evict((pages - self.alloc.free_pages()) * p)
+            if not r.evicted_tokens:
+                raise Exhausted(f"need {pages} free pages; eviction freed too little")
+            self.alloc.move(r.freed.astype(np.int64), TREE, FREE, check=False)
+            evicted += r.evicted_tokens
+        return evicted
+
+    def alloc_slots(self, s: Session, sizes: list[int]) -> tuple[list[np.ndarray], int]:
+        """Whole pages for each size, held by the session; evicts unlocked leaves when short."""
+        total = sum(sizes)
+        if total > self.max_batch_tokens:
+            raise BadRequest(f"batch asks for {total} tokens, more than the limit {self.max_batch_tokens}")
+        pages = sum(self.alloc.pages_for(n) for n in sizes)
+        if pages > self.alloc.capacity // self.alloc.page_size:
+            raise Exhausted(f"batch needs {pages} pages, the pool has {self.alloc.capacity // self.alloc.page_size}")
+        evicted = self._make_room(pages)
+        return self.alloc.alloc_many(sizes, s.owner), evicted
+
+    def free_slots(self, s: Session, slots: np.ndarray) -> int:
+        self._check_held(s, slots)
+        self.alloc.move(slots, HELD, FREE, s.owner, check=False)
+        return int(slots.size)
+
+    def _check_held(self, s: Session, slots: np.ndarray, what: str = "indices") -> None:
+        try:
+            self.alloc.validate(slots, HELD, s.owner)
+        except SlotError as e:
+            raise Denied(f"{what}: {e}") from None
+
+    # -------------------------------------------------------------- insert
+    def _validate_items(self, s: Session, items: list[Item]) -> None:
+        claimed: list[np.ndarray] = []
+        isz = 1 if not self.tree.bigram else 0
+        for i, it in enumerate(items):
+            n = len(it.tokens)
+            npos = n if isz else max(n - 1, 0)
+            if len(it.indices) not in (n, npos):
+                raise BadRequest(f"item {i}: {len(it.indices)} indices for {n} tokens")
+            aligned = npos - npos % self.tree.page_size
+            if not 0 <= it.prev_prefix_len <= aligned:
+                raise BadRequest(f"item {i}: prev_prefix_len {it.prev_prefix_len} outside [0, {aligned}]")
+            if it.prev_prefix_len:
+                try:
+                    cached = self.tree.cached_prefix_len(it.tokens, it.ns)
+                except InvalidInput as e:
+                    raise BadRequest(f"item {i}: {e}") from None
+                if cached < it.prev_prefix_len:
+                    raise BadRequest(f"item {i}: prev_prefix_len {it.prev_prefix_len} exceeds the cached prefix "
+                                     f"({cached} tokens)")
+                try:
+                    self.alloc.validate(it.indices[:it.prev_prefix_len], TREE)
+                except SlotError as e:
+                    raise Denied(f"item {i}: indices below prev_prefix_len must be the tree's own slots: {e}") from None
+            claimed.append(it.indices[it.prev_prefix_len:])
+        if claimed:
+            self._check_held(s, np.concatenate(claimed), "indices beyond prev_prefix_len")
+
+    def _insert_one(self, s: Session, it: Item) -> tuple[InsertOutcome, np.ndarray]:
+        r = self.tree.insert(it.tokens, it.indices, it.ns, it.prev_prefix_len, it.priority)
+        if r.duplicates.size:
+            self.alloc.move(r.duplicates.astype(np.int64), HELD, FREE, s.owner, check=False)
+        if r.adopted_len:
+            adopted = it.indices[r.prefix_len:r.prefix_len + r.adopted_len]
+            self.alloc.move(adopted, HELD, TREE, s.owner, check=False)
+        tail = it.indices[r.prefix_len + r.adopted_len:]
+        return InsertOutcome(r.prefix_len, r.node_id, int(r.duplicates.size), r.adopted_len), tail
+
+    def insert(self, s: Session, items: list[Item]) -> list[InsertOutcome]:
+        """Adopt held slots into the tree; duplicates are freed; the unaligned tail stays held."""
+        self._validate_items(s, items)
+        return [self._insert_one(s, it)[0] for it in items]
+
+    def cache_finished(self, s: Session, items: list[Item]) -> list[InsertOutcome]:
+        """Insert, free the tail and release the old receipt: a finished request leaves nothing held."""
+        self._validate_items(s, items)
+        self._check_receipts(s, [it.receipt for it in items if it.receipt])
+        out = []
+        for it in items:
+            res, tail = self._insert_one(s, it)
+            if tail.size:
+                self.alloc.move(tail, HELD, FREE, s.owner, check=False)
+            if it.receipt:
+                self._release(s, it.receipt)
+            out.append(res)
+        return out
+
+    def cache_unfinished(self, s: Session, items: list[Item]):
+        """Chunked prefill: insert, release the old receipt, re-match and re-lock."""
+        self._validate_items(s, items)
+        self._check_receipts(s, [it.receipt for it in items if it.receipt])
+        out = []
+        for it in items:
+            res, _ = self._insert_one(s, it)
+            if it.receipt:
+                self._release(s, it.receipt)
+            m = self.tree.match_prefix(it.tokens, it.ns)
+            receipt = self.tree.lock(m.node_id)
+            self.sessions.add_receipt(s, receipt)
+            out.append((res, m, receipt))
+        return out
+
+    # --------------------------------------------------------- match / lock
+    def match(self, s: Optional[Session], items: list[tuple[np.ndarray, Namespace, bool]]):
+        """Match (and atomically lock) each key; returns (MatchResult, receipt) per item."""
+        if s is None and any(lock for _, _, lock in items):
+            raise NotFound("lock=true needs a session (attach first)")
+        out = []
+        for tokens, ns, lock in items:
+            try:
+                m = self.tree.match_prefix(tokens, ns)
+            except InvalidInput as e:
+                raise BadRequest(str(e)) from None
+            receipt = 0
+            if lock:
+                receipt = self.tree.lock(m.node_id)
+                self.sessions.add_receipt(s, receipt)
+            out.append((m, receipt))
+        return out
+
+    def lock(self, s: Session, node_ids: list[int]) -> list[int]:
+        for nid in node_ids:
+            try:
+                self.tree._node(nid)
+            except (StaleHandle, ForeignHandle) as e:
+                raise _tree_error(e) from None
+        receipts = []
+        for nid in node_ids:
+            r = self.tree.lock(nid)
+            self.sessions.add_receipt(s, r)
+            receipts.append(r)
+        return receipts
+
+    def _check_receipts(self, s: Session, receipts: list[int]) -> None:
+        if len(set(receipts)) != len(receipts):
+            raise BadRequest("a receipt appears twice in one request")
+        for r in receipts:
+            self.sessions.take_receipt(s, r, check_only=True)
+
+    def _release(self, s: Session, receipt: int) -> None:
+        self.sessions.take_receipt(s, receipt)
+        self.tree.unlock(receipt)
+
+    def unlock(self, s: Session, receipts: list[int]) -> None:
+        self._check_receipts(s, receipts)
+        for r in receipts:
+            self._release(s, r)
+
+    # ----------------------------------------------------------- whole cache
+    def evict(self, num_tokens: int) -> int:
+        r = self.tree.evict(num_tokens)
+        self.alloc.move(r.freed.astype(np.int64), TREE, FREE, check=False)
+        return r.evicted_tokens
+
+    def reset(self) -> int:
+        try:
+            freed = self.tree.reset()
+        except LocksHeld as e:
+            raise Conflict(f"cannot reset: {e}") from None
+        self.alloc.move(freed.astype(np.int64), TREE, FREE, check=False)
+        return int(freed.size)
+
+    def stats(self) -> dict[str, int]:
+        c = self.alloc.counts
+        t = self.tree
+        out = dict(
+            capacity_tokens=self.alloc.capacity, free_tokens=c[FREE], cached_tokens=t.cached_tokens,
+            evictable_tokens=t.evictable_size, protected_tokens=t.protected_size, held_tokens=c[HELD],
+            in_flight_tokens=c[3], num_nodes=t.num_nodes, sessions=len(self.sessions),
+            hit_tokens_total=t.counters.hit_tokens, queried_tokens_total=t.counters.queried_tokens,
+            evicted_tokens_total=t.counters.evicted_tokens_device, receipts=t.num_receipts,
+            host_capacity_tokens=self.host_alloc.capacity if self.host_alloc else 0,
+            host_free_tokens=self.host_alloc.counts[FREE] if self.host_alloc else 0,
+            host_cached_tokens=0,
+        )
+        return out
+
+    def check(self) -> list[str]:
+        """Tree checker + slot conservation + cross-structure agreement, all from scratch."""
+        bad = [f"tree: {v}" for v in self.tree.check()]
+        bad += [f"allocator: {v}" for v in self.alloc.check()]
+        c = self.alloc.counts
+        if c[TREE] != self.tree.cached_tokens:
+            bad.append(f"allocator has {c[TREE]} tree-owned slots, the tree caches {self.tree.cached_tokens} tokens")
+        owned = self.tree.all_device_values().astype(np.int64)
+        if owned.size and (self.alloc.state[owned] != TREE).any():
+            bad.append("a slot the tree owns is not in the allocator's tree state")
+        if self.tree.cached_tokens != self.tree.evictable_size + self.tree.protected_size:
+            bad.append("cached != evictable + protected")
+        held_owners = set(np.unique(self.alloc.owner[self.alloc.state == HELD]).tolist())
+        live = {s.owner for s in self.sessions}
+        if held_owners - live:
+            bad.append(f"slots held by ended sessions {sorted(held_owners - live)}")
+        if self.sessions.receipt_count != self.tree.num_receipts:
+            bad.append(f"sessions own {self.sessions.receipt_count} receipts, the tree has {self.tree.num_receipts}")
+        if sum(c) != self.alloc.capacity:
+            bad.append("free + tree + held + in_flight != capacity")
+        return bad

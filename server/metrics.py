@@ -1,0 +1,74 @@
+"""Prometheus metrics: RPC histograms/counters updated per call, cache state read live at scrape time."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from .pools.allocator import STATE_NAMES
+
+if TYPE_CHECKING:
+    from .core import CacheCore
+
+BUCKETS = (50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25, 1.0)
+
+
+class CacheCollector:
+    """Reads the engine's counters at scrape time: no bookkeeping on the hot path."""
+
+    def __init__(self, core: "CacheCore"):
+        self.core = core
+
+    def collect(self):
+        core, t = self.core, self.core.tree
+        slots = GaugeMetricFamily("radixd_pool_slots", "Pool slots by tier and state", labels=["tier", "state"])
+        for i, name in enumerate(STATE_NAMES):
+            slots.add_metric(["device", name], core.alloc.counts[i])
+            if core.host_alloc:
+                slots.add_metric(["host", name], core.host_alloc.counts[i])
+        yield slots
+        yield CounterMetricFamily("radixd_hit_tokens", "Tokens served from cache by MatchPrefix",
+                                  value=t.counters.hit_tokens)
+        yield CounterMetricFamily("radixd_queried_tokens", "Tokens asked for by MatchPrefix",
+                                  value=t.counters.queried_tokens)
+        ev = CounterMetricFamily("radixd_evicted_tokens", "Tokens evicted, by tier", labels=["tier"])
+        ev.add_metric(["device"], t.counters.evicted_tokens_device)
+        ev.add_metric(["host"], t.counters.evicted_tokens_host)
+        yield ev
+        yield CounterMetricFamily("radixd_inserted_tokens", "Tokens adopted into the tree",
+                                  value=t.counters.inserted_tokens)
+        cached = GaugeMetricFamily("radixd_cached_tokens", "Cached tokens by lock state", labels=["state"])
+        cached.add_metric(["evictable"], t.evictable_size)
+        cached.add_metric(["protected"], t.protected_size)
+        yield cached
+        yield GaugeMetricFamily("radixd_tree_nodes", "Radix tree nodes", value=t.num_nodes)
+        yield GaugeMetricFamily("radixd_sessions", "Attached client sessions", value=len(core.sessions))
+        yield GaugeMetricFamily("radixd_active_receipts", "Lock receipts not yet released", value=t.num_receipts)
+
+
+class Metrics:
+    """Per-RPC latency and outcome; plus the live collector."""
+
+    def __init__(self, core: "CacheCore"):
+        self.registry = CollectorRegistry()
+        self.latency = Histogram("radixd_rpc_latency_seconds", "Server-side RPC latency", ["method"],
+                                 buckets=BUCKETS, registry=self.registry)
+        self.requests = Counter("radixd_rpc_requests", "RPCs by method and status code", ["method", "code"],
+                                registry=self.registry)
+        self.errors = Counter("radixd_rpc_errors", "Failed RPCs by method and status code", ["method", "code"],
+                              registry=self.registry)
+        self.registry.register(CacheCollector(core))
+        self.address = ""
+
+    def observe(self, method: str, seconds: float, code: str) -> None:
+        self.latency.labels(method).observe(seconds)
+        self.requests.labels(method, code).inc()
+        if code != "OK":
+            self.errors.labels(method, code).inc()
+
+    def serve(self, host: str, port: int) -> str:
+        """Start the HTTP endpoint; port 0 picks a free one. Returns host:port."""
+        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        self.address = f"{host}:{server.server_port}"
+        return self.address

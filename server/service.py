@@ -1,0 +1,211 @@
+"""gRPC handlers: decode with numpy, one call into the engine, encode. Errors map to precise statuses."""
+from __future__ import annotations
+
+import asyncio
+import time
+from functools import wraps
+
+import grpc
+import numpy as np
+
+from radixd.proto import cache_pb2 as pb
+from radixd.proto import cache_pb2_grpc as pb_grpc
+
+from . import __version__
+from .core import CacheCore, Item, decode_slots, decode_tokens
+from .errors import ServiceError
+from .metrics import Metrics
+from .pools.allocator import SlotError
+from .tree.errors import TreeError
+
+
+def _ns(item) -> tuple[str, str]:
+    return item.extra_key, item.cache_salt
+
+
+def _slots(arr: np.ndarray) -> bytes:
+    return arr.astype("<i8", copy=False).tobytes()
+
+
+def descriptor_msg(d) -> pb.PoolDescriptor:
+    return pb.PoolDescriptor(
+        instance_id=d.instance_id, tier=d.tier, backend=d.backend, handle=d.handle, size_bytes=d.size_bytes,
+        dtype=d.dtype, num_layers=d.num_layers, kv_heads=d.kv_heads, head_dim=d.head_dim, page_size=d.page_size,
+        num_slots=d.num_slots, mla=d.mla, layout=d.layout, gpu_uuid=d.gpu_uuid, device_index=d.device_index,
+        pinned=d.pinned, buffers=[pb.BufferDescriptor(name=b.name, offset=b.offset, shape=list(b.shape))
+                                  for b in d.buffers])
+
+
+def unary(method):
+    """Time the call, count it, and turn engine errors into statuses (the state is untouched)."""
+    def deco(fn):
+        @wraps(fn)
+        async def handler(self, request, context):
+            t0 = time.perf_counter()
+            code = "OK"
+            try:
+                return fn(self, request)
+            except ServiceError as e:
+                code = e.code.name
+                err = (e.code, str(e))
+            except (TreeError, SlotError) as e:
+                from .core import _tree_error
+                mapped = _tree_error(e)
+                code = getattr(mapped, "code", grpc.StatusCode.INVALID_ARGUMENT).name
+                err = (getattr(mapped, "code", grpc.StatusCode.INVALID_ARGUMENT), str(e))
+            finally:
+                self.metrics.observe(method, time.perf_counter() - t0, code)
+            await context.abort(*err)
+        return handler
+    return deco
+
+
+class RadixCacheService(pb_grpc.RadixCacheServicer):
+    """The RadixCache gRPC service over one CacheCore."""
+
+    def __init__(self, core: CacheCore, metrics: Metrics, stopping: asyncio.Event, eviction_policy: str):
+        self.core = core
+        self.metrics = metrics
+        self.stopping = stopping
+        self.policy = eviction_policy
+
+    def _items(self, items, with_receipt: bool) -> list[Item]:
+        cap = self.core.alloc.capacity
+        out = []
+        for i, it in enumerate(items):
+            out.append(Item(decode_tokens(it.tokens, f"item {i} tokens"),
+                            decode_slots(it.indices, cap, f"item {i} indices"), _ns(it),
+                            it.prev_prefix_len, it.priority, it.receipt_id if with_receipt else 0))
+        return out
+
+    @unary("GetInfo")
+    def GetInfo(self, request):
+        c = self.core
+        info = pb.ServerInfo(instance_id=c.instance_id, page_size=c.alloc.page_size, eviction_policy=self.policy,
+                             version=__version__, capacity_tokens=c.alloc.capacity,
+                             max_batch_tokens=c.max_batch_tokens,
+                             device_pools=[descriptor_msg(p.descriptor) for p in c.device_pools])
+        if c.host_pool is not None:
+            info.host_pool.CopyFrom(descriptor_msg(c.host_pool.descriptor))
+        return info
+
+    async def Attach(self, request, context):
+        session = self.core.attach(request.client_name or "anonymous")
+        self.metrics.observe("Attach", 0.0, "OK")
+        try:
+            yield pb.SessionEvent(session_id=session.session_id, instance_id=self.core.instance_id,
+                                  message="attached")
+            await self.stopping.wait()
+            yield pb.SessionEvent(session_id=session.session_id, instance_id=self.core.instance_id,
+                                  message="server shutting down")
+        finally:
+            self.core.end_session(session)  # stream ended: client exit, crash, network or shutdown
+
+    @unary("Alloc")
+    def Alloc(self, request):
+        s = self.core.session(request.session_id)
+        allocations, evicted = self.core.alloc_slots(s, list(request.num_tokens))
+        return pb.AllocResponse(allocations=[pb.Slots(indices=_slots(a)) for a in allocations],
+                                evicted_tokens=evicted)
+
+    @unary("Free")
+    def Free(self, request):
+        s = self.core.session(request.session_id)
+        return pb.FreeResponse(freed=self.core.free_slots(s, decode_slots(request.indices, self.core.alloc.capacity)))
+
+    @unary("Insert")
+    def Insert(self, request):
+        s = self.core.session(request.session_id)
+        res = self.core.insert(s, self._items(request.items, False))
+        return pb.InsertResponse(results=[pb.InsertResult(prefix_len=r.prefix_len, node_id=r.node_id,
+                                                          freed_duplicates=r.freed_duplicates, adopted=r.adopted)
+                                          for r in res])
+
+    @unary("MatchPrefix")
+    def MatchPrefix(self, request):
+        s = self.core.session(request.session_id) if request.session_id else None
+        items = [(decode_tokens(it.tokens, f"item {i} tokens"), _ns(it), it.lock)
+                 for i, it in enumerate(request.items)]
+        return pb.MatchResponse(results=[
+            pb.MatchResult(device_indices=_slots(m.indices), matched_len=m.matched_len, host_hit_len=m.host_hit_len,
+                           node_id=m.node_id, receipt_id=r) for m, r in self.core.match(s, items)])
+
+    @unary("Lock")
+    def Lock(self, request):
+        s = self.core.session(request.session_id)
+        return pb.LockResponse(receipt_id=self.core.lock(s, list(request.node_id)))
+
+    @unary("Unlock")
+    def Unlock(self, request):
+        s = self.core.session(request.session_id)
+        self.core.unlock(s, list(request.receipt_id))
+        return pb.UnlockResponse()
+
+    @unary("CacheFinished")
+    def CacheFinished(self, request):
+        s = self.core.session(request.session_id)
+        res = self.core.cache_finished(s, self._items(request.items, True))
+        return pb.CacheFinishedResponse(results=[
+            pb.InsertResult(prefix_len=r.prefix_len, node_id=r.node_id, freed_duplicates=r.freed_duplicates,
+                            adopted=r.adopted) for r in res])
+
+    @unary("CacheUnfinished")
+    def CacheUnfinished(self, request):
+        s = self.core.session(request.session_id)
+        out = []
+        for r, m, receipt in self.core.cache_unfinished(s, self._items(request.items, True)):
+            out.append(pb.UnfinishedResult(
+                insert=pb.InsertResult(prefix_len=r.prefix_len, node_id=r.node_id,
+                                       freed_duplicates=r.freed_duplicates, adopted=r.adopted),
+                device_indices=_slots(m.indices), matched_len=m.matched_len, node_id=m.node_id, receipt_id=receipt))
+        return pb.CacheUnfinishedResponse(results=out)
+
+    @unary("Evict")
+    def Evict(self, request):
+        return pb.EvictResponse(evicted_tokens=self.core.evict(request.num_tokens))
+
+    @unary("GetStats")
+    def GetStats(self, request):
+        return pb.Stats(**self.core.stats())
+
+    @unary("CheckInvariants")
+    def CheckInvariants(self, request):
+        bad = self.core.check()
+        return pb.CheckInvariantsResponse(ok=not bad, violations=bad)
+
+    @unary("Reset")
+    def Reset(self, request):
+        return pb.ResetResponse(freed_tokens=self.core.reset())
+
+    @unary("Echo")
+    def Echo(self, request):
+        return pb.EchoResponse(payload=request.payload)
+
+
+class TokenAuth(grpc.aio.ServerInterceptor):
+    """Bearer-token check on every call except health probes."""
+
+    def __init__(self, token: str):
+        self._ok = f"Bearer {token}"
+
+        async def deny(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+        self._deny = deny
+
+    async def intercept_service(self, continuation, details):
+        if details.method.startswith("/grpc.health.v1.Health/"):
+            return await continuation(details)
+        meta = dict(details.invocation_metadata or ())
+        if meta.get("authorization") == self._ok:
+            return await continuation(details)
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(self._deny)
+        if handler.unary_stream:
+            async def deny_stream(request, context):
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+                yield  # pragma: no cover
+            return grpc.unary_stream_rpc_method_handler(deny_stream)
+        return grpc.unary_unary_rpc_method_handler(self._deny)
