@@ -1,0 +1,4 @@
+"""`python -m radixd.server ...` is the `radixd` command."""
+from .cli import main
+
+main()

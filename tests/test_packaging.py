@@ -1,0 +1,44 @@
+"""Packaging: generated stubs are current; the wheel installs only radixd.* (no bare server/client)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import venv
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_generated_stubs_are_not_stale(tmp_path):
+    sys.path.insert(0, str(ROOT / "proto"))
+    try:
+        import generate
+    finally:
+        sys.path.pop(0)
+    generate.generate(tmp_path)
+    for name in generate.FILES:
+        assert (tmp_path / name).read_bytes() == (ROOT / "proto" / name).read_bytes(), \
+            f"proto/{name} is stale: run python proto/generate.py"
+
+
+def test_wheel_installs_into_a_fresh_venv(tmp_path):
+    wheels = tmp_path / "wheels"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w",
+                    str(wheels), str(ROOT)], check=True)
+    (whl,) = wheels.glob("radixd-*.whl")
+    tops = {n.split("/")[0] for n in zipfile.ZipFile(whl).namelist()}
+    assert "server" not in tops and "client" not in tops and "radixd" in tops
+    env = tmp_path / "venv"
+    venv.create(env, system_site_packages=True, with_pip=False)
+    py = env / "bin" / "python"
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps", "-q",
+                    "--target", str(tmp_path / "site"), str(whl)], check=True)
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import radixd.server.tree as t, radixd.client, "
+            "radixd.proto.cache_pb2; assert sys.argv[1] in t.__file__, t.__file__; "
+            "import importlib.util as u; assert u.find_spec('server') is None and u.find_spec('client') is None; "
+            "print(t.RadixTree().insert([1, 2], [3, 4]).adopted_len)")
+    out = subprocess.run([str(py), "-I", "-c", code, str(tmp_path / "site")], capture_output=True, text=True,
+                         cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "2"
