@@ -32,6 +32,13 @@ def uuid_to_ordinal(uuid: str) -> int:
     raise LookupError(f"GPU {uuid} is not visible to this process (check CUDA_VISIBLE_DEVICES)")
 
 
+def _uint8_view(ptr: int, size: int, owner: Any, device_index: int) -> Any:
+    """A cupy uint8 array over raw device memory that keeps `owner` alive."""
+    import cupy
+    mem = cupy.cuda.UnownedMemory(ptr, size, owner, device_index)
+    return cupy.ndarray((size,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
+
+
 class DeviceAllocation:
     """Plain cudaMalloc (no pool, no managed memory); freed only when the server shuts down."""
 
@@ -47,9 +54,7 @@ class DeviceAllocation:
 
     def as_uint8(self) -> Any:
         """A cupy uint8 view of the whole allocation."""
-        import cupy
-        mem = cupy.cuda.UnownedMemory(self.ptr, self.size, self, self.device_index)
-        return cupy.ndarray((self.size,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
+        return _uint8_view(self.ptr, self.size, self, self.device_index)
 
     def free(self) -> None:
         import cupy
@@ -87,9 +92,7 @@ class IpcMapping:
                 raise RuntimeError(f"cannot open the device pool's IPC handle (server gone or restarted?): {e}") from e
 
     def as_uint8(self) -> Any:
-        import cupy
-        mem = cupy.cuda.UnownedMemory(self.ptr, self.size, self, self.device_index)
-        return cupy.ndarray((self.size,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
+        return _uint8_view(self.ptr, self.size, self, self.device_index)
 
     def close(self) -> None:
         import cupy
