@@ -344,26 +344,29 @@ class RadixTree:
         """Delete unlocked leaves in policy order until num_tokens are freed or none is left."""
         freed: list[bytes] = []
         count = 0
-        heap = self._heap
+        heap, leaves, nodes, pb = self._heap, self._leaves, self._nodes, self._page_b
+        pop = heapq.heappop
         while count < num_tokens and heap:
-            _, _, ver, node = heapq.heappop(heap)
-            if ver != node.hver or node not in self._leaves:
+            _, _, ver, node = pop(heap)
+            if ver != node.hver or node not in leaves:
                 continue
-            self._leaves.discard(node)
+            leaves.discard(node)
             parent = node.parent
-            del parent.children[node.key[:self._page_b]]
-            del self._nodes[node.id]
+            del parent.children[node.key[:pb]]
+            del nodes[node.id]
             node.hver += 1
-            size = len(node.value) // 4
-            freed.append(node.value)
-            count += size
-            self.evictable_size -= size
-            if self._is_leaf(parent):
-                self._add_leaf(parent)
-            elif parent.parent is None and not parent.children and parent.lock_ref == 0 and parent.ns != DEFAULT_NS:
-                del self._roots[parent.ns]
-                del self._nodes[parent.id]
-        if len(heap) > 2 * len(self._leaves) + 1024:
+            value = node.value
+            freed.append(value)
+            count += len(value) >> 2
+            if not parent.children and parent.lock_ref == 0:
+                if parent.parent is not None:
+                    if parent.value is not None:
+                        self._add_leaf(parent)
+                elif parent.ns != DEFAULT_NS:
+                    del self._roots[parent.ns]
+                    del nodes[parent.id]
+        self.evictable_size -= count
+        if len(heap) > 2 * len(leaves) + 1024:
             self._rebuild_heap()
         self.counters.evicted_tokens_device += count
         return EvictResult(np.frombuffer(b"".join(freed), dtype="<i4") if freed else _EMPTY, count)
