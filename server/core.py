@@ -150,10 +150,9 @@ class CacheCore:
     # -------------------------------------------------------------- insert
     def _validate_items(self, s: Session, items: list[Item]) -> None:
         claimed: list[np.ndarray] = []
-        isz = 1 if not self.tree.bigram else 0
         for i, it in enumerate(items):
             n = len(it.tokens)
-            npos = n if isz else max(n - 1, 0)
+            npos = max(n - 1, 0) if self.tree.bigram else n  # bigram keys are token pairs
             if len(it.indices) not in (n, npos):
                 raise BadRequest(f"item {i}: {len(it.indices)} indices for {n} tokens")
             aligned = npos - npos % self.tree.page_size

@@ -53,6 +53,9 @@ def unary(method):
                 mapped = _tree_error(e)
                 code = getattr(mapped, "code", grpc.StatusCode.INVALID_ARGUMENT).name
                 err = (getattr(mapped, "code", grpc.StatusCode.INVALID_ARGUMENT), str(e))
+            except Exception:
+                code = "INTERNAL"  # a bug, not bad input: counted as such, gRPC reports it as UNKNOWN
+                raise
             finally:
                 self.metrics.observe(method, time.perf_counter() - t0, code)
             await context.abort(*err)
