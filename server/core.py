@@ -275,8 +275,8 @@ class CacheCore:
             freed = self.tree.reset()
         except LocksHeld as e:
             raise Conflict(f"cannot reset: {e}") from None
-        self.alloc.move(freed.astype(np.int64), TREE, FREE, check=False)
-        return int(freed.size)
+        self.alloc.move(freed.device.astype(np.int64), TREE, FREE, check=False)
+        return int(freed.device.size)
 
     def stats(self) -> dict[str, int]:
         c = self.alloc.counts

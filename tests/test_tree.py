@@ -186,17 +186,18 @@ def _order(policy, setup):
 
 
 def _three_leaves(t):
-    # created 1,2,3; then hits: leaf 1 twice, leaf 2 once (LRU time: 3 < 1 < 2)
+    # created 1,2,3; then hits (inserts count, as in the seeds): leaf 1 twice more, leaf 2 once more
+    # (LRU time: 3 < 1 < 2)
     for i in (1, 2, 3):
         t.insert([i], [i])
-    t.match_prefix([1])
-    t.match_prefix([1])
-    t.match_prefix([2])
+    t.insert([1], [1])
+    t.insert([1], [1])
+    t.insert([2], [2])
 
 
 @pytest.mark.parametrize("policy,expected", [
     ("lru", [3, 1, 2]), ("mru", [2, 1, 3]), ("fifo", [1, 2, 3]), ("filo", [3, 2, 1]),
-    ("lfu", [3, 2, 1]), ("slru", [3, 2, 1]),
+    ("lfu", [3, 2, 1]), ("slru", [3, 1, 2]),  # slru: 1 and 2 both reach 2 hits
 ])
 def test_policy_order(policy, expected):
     assert _order(policy, _three_leaves) == expected
@@ -223,11 +224,28 @@ def test_slru_hits_move_a_leaf_out_of_probation():
     def setup(t):
         t.insert([1], [1])
         t.insert([2], [2])
-        t.match_prefix([1])
-        t.match_prefix([1])  # 1 is protected (2+ hits); 2 evicted first even though more recent
+        t.insert([1], [1])  # 1 is protected (2+ hits); 2 evicted first even though more recent
         t.match_prefix([2])
     assert _order("slru", setup) == [2, 1]
     assert _order("lru", setup) == [1, 2]
+
+
+def test_lookups_are_not_hits_and_slru_threshold_is_a_parameter():
+    t = RadixTree(policy="lfu")
+    t.insert([1], [1])
+    t.insert([2], [2])
+    t.insert([2], [2])
+    for _ in range(5):
+        t.match_prefix([1])  # lookups never count (R1.8, R1.9): 1 stays at one hit, 2 has two
+    assert t.evict(1).freed.tolist() == [1]
+    t = RadixTree(policy="slru", slru_threshold=3)
+    t.insert([1], [1])
+    t.insert([2], [2])
+    t.insert([1], [1])  # two hits: still probationary with a threshold of 3
+    t.match_prefix([2])
+    assert t.evict(1).freed.tolist() == [1]
+    with pytest.raises(ValueError):
+        RadixTree(policy="slru", slru_threshold=0)
 
 
 def test_all_policies_known():
@@ -255,7 +273,7 @@ def test_reset_refuses_while_locked_and_returns_all_slots():
         t.reset()
     assert t.cached_tokens == 4
     t.unlock(r)
-    assert sorted(t.reset().tolist()) == [6, 7, 8, 9]
+    assert sorted(t.reset().device.tolist()) == [6, 7, 8, 9]
     assert t.cached_tokens == 0 and t.num_nodes == 0
     ok(t)
 

@@ -23,3 +23,11 @@ class ForeignHandle(TreeError):
 
 class LocksHeld(TreeError):
     """An operation that needs an unlocked tree found locks (gRPC FAILED_PRECONDITION)."""
+
+
+class StateConflict(TreeError):
+    """The node is not in the state the operation needs, e.g. a transfer changed it (FAILED_PRECONDITION)."""
+
+
+class InFlight(TreeError):
+    """The receipt or operation still has a transfer in flight (FAILED_PRECONDITION)."""

@@ -8,8 +8,13 @@ if TYPE_CHECKING:
 
 PolicyKey = Callable[["Node"], tuple]
 
-# A node with at least this many hits leaves SLRU's probationary segment.
-SLRU_PROTECTED_HITS = 2
+# Default hits (inserts that touched a node) after which SLRU moves it out of probation, as SGLang.
+DEFAULT_SLRU_THRESHOLD = 2
+
+
+def _slru(threshold: int) -> PolicyKey:
+    return lambda n: (n.hit_count >= threshold, n.last_access)
+
 
 POLICIES: dict[str, PolicyKey] = {
     "lru": lambda n: (n.last_access,),
@@ -18,13 +23,16 @@ POLICIES: dict[str, PolicyKey] = {
     "filo": lambda n: (-n.created,),
     "lfu": lambda n: (n.hit_count, n.last_access),
     "priority": lambda n: (n.priority, n.last_access),
-    "slru": lambda n: (n.hit_count >= SLRU_PROTECTED_HITS, n.last_access),
+    "slru": _slru(DEFAULT_SLRU_THRESHOLD),
 }
 
 
-def policy_key(name: str) -> PolicyKey:
+def policy_key(name: str, slru_threshold: int = DEFAULT_SLRU_THRESHOLD) -> PolicyKey:
     """Return the sort-key function for an eviction policy name."""
-    try:
-        return POLICIES[name]
-    except KeyError:
-        raise ValueError(f"unknown eviction policy {name!r}; choose one of {sorted(POLICIES)}") from None
+    if name not in POLICIES:
+        raise ValueError(f"unknown eviction policy {name!r}; choose one of {sorted(POLICIES)}")
+    if name == "slru":
+        if slru_threshold < 1:
+            raise ValueError("slru_threshold must be >= 1")
+        return _slru(slru_threshold)
+    return POLICIES[name]

@@ -1,4 +1,32 @@
-"""A pure radix tree of token prefixes: it decides what to free, the caller frees it."""
+"""A pure two-tier radix tree of token prefixes: it decides what to free, copy or load; the caller does it.
+
+Tiers (SPEC-tiers sections 1-3). A node holds device slots (`value`), host slots (`host_value`) or both;
+"neither" never exists at rest. Device residency is prefix-closed; host residency is prefix-closed under
+the write-through policies. With `write_policy=None` the host tier is off and the tree is device-only.
+
+Every transfer is a plan the engine executes and reports back:
+  backup    insert (or eviction under write-back) returns `BackupAction`s; the engine evicts host space
+            (`evict_host`), copies, `commit_backup(ack, host_slots)`, and `finish_backup(ack)` once the
+            copy completed (or `abort_backup(ack)`). The node is device-locked from the action until then.
+  load-back `load_back(node)` plans (all or nothing over the evicted segment), the engine evicts device
+            space and copies, `commit_load_back(op, slots)`, then `finish_load_back(op)` makes the
+            segment device-resident and turns the op id into a lock receipt over the whole path.
+Locks: device locks cover device-resident nodes only, from the anchor to the root; host locks pin one
+host-only node (its ancestors cannot be host leaves while it exists). `lock()` on a host-only node takes
+both, and the receipt remembers exactly what it took.
+
+Handles: a node handle is `instance_tag << 48 | serial`. After a split the old handle names the deeper
+fragment (as in both seeds); the new upper node gets a new handle.
+
+Access times and hits, where radixd differs from SGLang's in-process RadixCache:
+  * Times are integer ticks, not `time.monotonic()`: ordering is deterministic and never tied.
+  * A match re-stamps its path root to leaf with increasing ticks, so a child is always newer than its
+    parent (SGLang stamps the whole path with one time). A split stamps both fragments fresh before that,
+    so an unmatched tail counts as just used, as in SGLang and the seeds.
+  * Hits (LFU, SLRU, write-through thresholds) are counted on insert, never on match, as in SGLang and
+    the seeds; a chunked insert counts none. Unlike the seeds radixd also counts them under write-back,
+    so LFU and SLRU keep working there (write-back never reads the count for backups).
+"""
 from __future__ import annotations
 
 import heapq
@@ -7,45 +35,100 @@ from typing import Iterable, Optional, Union
 
 import numpy as np
 
-from .errors import ForeignHandle, InvalidInput, LocksHeld, StaleHandle, UnknownReceipt
+from .errors import ForeignHandle, InFlight, InvalidInput, LocksHeld, StaleHandle, StateConflict, UnknownReceipt
 from .node import Node
-from .policies import policy_key
+from .policies import DEFAULT_SLRU_THRESHOLD, policy_key
 
 Namespace = tuple[str, str]
 TokenInput = Union[bytes, bytearray, memoryview, np.ndarray, Iterable[int]]
 DEFAULT_NS: Namespace = ("", "")
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 _SERIAL_BITS = 48
 _SERIAL_MASK = (1 << _SERIAL_BITS) - 1
 _EMPTY = np.zeros(0, dtype=np.int32)
 
 
+def _slots(parts: list[bytes]) -> np.ndarray:
+    return np.frombuffer(b"".join(parts), dtype="<i4") if parts else _EMPTY
+
+
 @dataclass(frozen=True)
 class MatchResult:
-    """Longest cached page-aligned prefix: its device slots, length and the node it ends at."""
+    """Longest cached page-aligned prefix: device slots, device length, host extension and both end nodes."""
 
     indices: np.ndarray
     matched_len: int
-    host_hit_len: int
-    node_id: int
+    host_hit_len: int  # tokens beyond matched_len that a successful load-back would add
+    node_id: int  # last device-resident node (lock it to protect `indices`)
+    best_node_id: int = 0  # deepest matched node, device or host (lock or load back from it)
+
+
+@dataclass(frozen=True)
+class BackupAction:
+    """Copy these device slots to host: allocate host slots, copy, then commit_backup(ack, host_slots)."""
+
+    ack: int
+    node_ids: tuple[int, ...]
+    device_slots: np.ndarray
+    write_back: bool  # eviction asked for it: the node is demoted when the copy finishes
+
+    @property
+    def tokens(self) -> int:
+        return int(self.device_slots.size)
 
 
 @dataclass(frozen=True)
 class InsertResult:
-    """What insert did: how much was cached already and which incoming slots the caller must free."""
+    """What insert did: which incoming slots the tree adopted, which the caller frees, what it keeps.
 
-    prefix_len: int
+    The tree adopts the contiguous range [prefix_len, prefix_len + adopted_len) of the given slots (fresh
+    leaf and re-evicted host-only nodes); `duplicates` are to be freed; `tail` stays with the caller.
+    """
+
+    prefix_len: int  # tokens of the key that were device-resident before this insert
     node_id: int
     duplicates: np.ndarray
     adopted_len: int
     tail: np.ndarray = field(default_factory=lambda: _EMPTY)
+    unevicted_len: int = 0  # part of adopted_len that re-populated host-only nodes
+    backups: tuple[BackupAction, ...] = ()
 
 
 @dataclass(frozen=True)
 class EvictResult:
-    """Slots released by eviction; the caller returns them to the allocator."""
+    """Slots released by eviction (device or host, per call); the caller returns them to the allocator."""
 
     freed: np.ndarray
     evicted_tokens: int
+    write_backs: tuple[BackupAction, ...] = ()  # write-back: copies that must finish before more is freed
+    demoted_tokens: int = 0  # of evicted_tokens, how many stay cached on host
+
+    @property
+    def write_back_tokens(self) -> int:
+        return sum(a.tokens for a in self.write_backs)
+
+
+@dataclass(frozen=True)
+class FreedSlots:
+    """Slots of both tiers that the caller must return to their allocators."""
+
+    device: np.ndarray
+    host: np.ndarray
+
+
+@dataclass(frozen=True)
+class LoadBackPlan:
+    """A planned host->device load; `op` is 0 and `reason` says why when nothing will be loaded."""
+
+    op: int
+    node_ids: tuple[int, ...]
+    host_slots: np.ndarray
+    evict_tokens: int  # device tokens the caller must evict before allocating len(host_slots)
+    reason: str = ""  # "", "resident", "threshold", "quota", "pinned", "no_room"
+
+    @property
+    def tokens(self) -> int:
+        return int(self.host_slots.size)
 
 
 @dataclass
@@ -57,6 +140,29 @@ class TreeCounters:
     evicted_tokens_device: int = 0
     evicted_tokens_host: int = 0
     inserted_tokens: int = 0
+    host_hit_tokens: int = 0
+    demoted_tokens: int = 0
+    backup_tokens: int = 0
+    load_back_tokens: int = 0
+    reclaimed_host_tokens: int = 0
+
+
+class _BackupOp:
+    __slots__ = ("nodes", "committed", "write_back")
+
+    def __init__(self, node: Node, write_back: bool):
+        self.nodes = [node]  # root-first; a split inserts the upper fragment before the lower
+        self.committed = False
+        self.write_back = write_back
+
+
+class _LoadOp:
+    __slots__ = ("node", "dev", "slots")
+
+    def __init__(self, node: Node, dev: Node):
+        self.node = node  # the deepest node to load; host-locked
+        self.dev = dev  # its deepest device-resident ancestor; device-locked until finish
+        self.slots: Optional[np.ndarray] = None
 
 
 def as_int32(data: TokenInput) -> np.ndarray:
@@ -82,17 +188,33 @@ def bigram_keys(tokens: np.ndarray) -> np.ndarray:
 
 
 class RadixTree:
-    """SGLang-style radix cache over packed numpy buffers; pure: no I/O, no frees, no copies."""
+    """SGLang-style two-tier radix cache over packed numpy buffers; pure: no I/O, no frees, no copies."""
 
-    def __init__(self, page_size: int = 1, policy: str = "lru", bigram: bool = False, instance_tag: int = 0):
+    def __init__(self, page_size: int = 1, policy: str = "lru", bigram: bool = False, instance_tag: int = 0,
+                 write_policy: Optional[str] = None, write_through_threshold: Optional[int] = None,
+                 load_back_threshold: int = 10, slru_threshold: int = DEFAULT_SLRU_THRESHOLD):
         if page_size < 1:
             raise ValueError("page_size must be >= 1")
         if not 0 <= instance_tag < (1 << 16):
             raise ValueError("instance_tag must fit in 16 bits")
+        if write_policy is not None and write_policy not in WRITE_POLICIES:
+            raise ValueError(f"unknown write policy {write_policy!r}; choose one of {list(WRITE_POLICIES)}")
+        if write_through_threshold is None:
+            write_through_threshold = 1 if write_policy == "write_through" else 2
+        if write_through_threshold < 1:
+            raise ValueError("write_through_threshold must be >= 1")
+        if load_back_threshold < 0:
+            raise ValueError("load_back_threshold must be >= 0")
         self.page_size = page_size
         self.policy = policy
         self.bigram = bigram
-        self._key_of = policy_key(policy)
+        self.write_policy = write_policy
+        self.host = write_policy is not None
+        self.write_back = write_policy == "write_back"
+        self._through = self.host and not self.write_back
+        self.write_through_threshold = write_through_threshold
+        self.load_back_threshold = load_back_threshold
+        self._key_of = policy_key(policy, slru_threshold)
         self._tag = instance_tag << _SERIAL_BITS
         self._isz = 8 if bigram else 4
         self._kdt = np.dtype("<i8" if bigram else "<i4")
@@ -102,11 +224,18 @@ class RadixTree:
         self._heap_seq = 0
         self._nodes: dict[int, Node] = {}
         self._roots: dict[Namespace, Node] = {}
-        self._receipts: dict[int, Node] = {}
-        self._leaves: set[Node] = set()
+        self._receipts: dict[int, tuple[Node, Optional[Node]]] = {}  # receipt -> (device anchor, host anchor)
+        self._backups: dict[int, _BackupOp] = {}
+        self._loads: dict[int, _LoadOp] = {}
+        self._leaves: set[Node] = set()  # D-leaves: device-evictable
         self._heap: list[tuple] = []
+        self._hleaves: set[Node] = set()  # H-leaves: host-evictable
+        self._hheap: list[tuple] = []
+        self._coexist: set[Node] = set()  # write-back: candidates for host-copy reclaim (may hold stale entries)
         self.evictable_size = 0
         self.protected_size = 0
+        self.host_evictable_size = 0
+        self.host_protected_size = 0
         self.counters = TreeCounters()
         self._root(DEFAULT_NS)
 
@@ -122,6 +251,12 @@ class RadixTree:
             self._roots[ns] = root
             self._nodes[root.id] = root
         return root
+
+    def _prune_root(self, root: Node) -> None:
+        """A namespace root with nothing below it and no lock goes: misses must not grow memory."""
+        if not root.children and root.lock_ref == 0 and root.ns != DEFAULT_NS:
+            del self._roots[root.ns]
+            del self._nodes[root.id]
 
     def _next_tick(self) -> int:
         self._tick += 1
@@ -149,24 +284,134 @@ class RadixTree:
             i = n
         return (i - i % self.page_size) * self._isz
 
+    # ------------------------------------------------------------ leaf sets
+    def _has_dev_child(self, node: Node) -> bool:
+        if not self.host:
+            return bool(node.children)
+        for c in node.children.values():
+            if c.value is not None:
+                return True
+        return False
+
     def _is_leaf(self, node: Node) -> bool:
-        return node.parent is not None and node.lock_ref == 0 and node.value is not None and not node.children
+        """D-leaf (R3.1): device-resident, unlocked, no device-resident child."""
+        return (node.parent is not None and node.lock_ref == 0 and node.value is not None
+                and not self._has_dev_child(node))
+
+    @staticmethod
+    def _is_hleaf(node: Node) -> bool:
+        """H-leaf (R3.2): host-only, not host-locked, not being loaded, childless."""
+        return (node.parent is not None and node.value is None and node.host_value is not None
+                and node.host_lock_ref == 0 and not node.loading and not node.children)
 
     def _add_leaf(self, node: Node) -> None:
-        node.hver += 1
+        node.dver += 1
         self._leaves.add(node)
         self._heap_seq += 1
-        heapq.heappush(self._heap, (self._key_of(node), self._heap_seq, node.hver, node))
+        heapq.heappush(self._heap, (self._key_of(node), self._heap_seq, node.dver, node))
 
     def _drop_leaf(self, node: Node) -> None:
         if node in self._leaves:
             self._leaves.discard(node)
+            node.dver += 1
+
+    def _add_hleaf(self, node: Node) -> None:
+        node.hver += 1
+        self._hleaves.add(node)
+        self._heap_seq += 1
+        heapq.heappush(self._hheap, (self._key_of(node), self._heap_seq, node.hver, node))
+
+    def _drop_hleaf(self, node: Node) -> None:
+        if node in self._hleaves:
+            self._hleaves.discard(node)
             node.hver += 1
+
+    def _sync(self, node: Node) -> None:
+        """Recompute both leaf predicates for one node and fix set membership (R3.3)."""
+        if node.parent is None:
+            return
+        if self._is_leaf(node):
+            if node not in self._leaves:
+                self._add_leaf(node)
+        else:
+            self._drop_leaf(node)
+        if self._is_hleaf(node):
+            if node not in self._hleaves:
+                self._add_hleaf(node)
+        else:
+            self._drop_hleaf(node)
 
     def _refresh(self, node: Node) -> None:
         """Re-sort a leaf whose policy key changed (touch, hit, priority)."""
         if node in self._leaves:
             self._add_leaf(node)
+        elif node in self._hleaves:
+            self._add_hleaf(node)
+
+    # ---------------------------------------------------------------- locks
+    def _dlock(self, node: Node) -> int:
+        """Device-lock node..root (all device-resident); returns the tokens newly moved to protected."""
+        newly = 0
+        walker = node
+        while walker.parent is not None:
+            if walker.lock_ref == 0:
+                size = len(walker.value) >> 2
+                newly += size
+                self._drop_leaf(walker)
+            walker.lock_ref += 1
+            walker = walker.parent
+        walker.lock_ref += 1  # the namespace root counts locks too, so it is never pruned under one
+        self.evictable_size -= newly
+        self.protected_size += newly
+        return newly
+
+    def _dunlock(self, node: Node) -> None:
+        walker = node
+        while walker.parent is not None:
+            walker.lock_ref -= 1
+            if walker.lock_ref == 0:
+                size = len(walker.value) >> 2
+                self.protected_size -= size
+                self.evictable_size += size
+                if self._is_leaf(walker):
+                    self._add_leaf(walker)
+            walker = walker.parent
+        walker.lock_ref -= 1
+        if walker.lock_ref == 0:
+            self._prune_root(walker)
+
+    def _hlock(self, node: Node) -> None:
+        if node.host_lock_ref == 0:
+            size = len(node.host_value) >> 2
+            self.host_evictable_size -= size
+            self.host_protected_size += size
+            self._drop_hleaf(node)
+        node.host_lock_ref += 1
+
+    def _hunlock(self, node: Node) -> None:
+        node.host_lock_ref -= 1
+        if node.host_lock_ref == 0:
+            if node.host_value is not None:
+                size = len(node.host_value) >> 2
+                self.host_protected_size -= size
+                self.host_evictable_size += size
+            self._sync(node)
+
+    def _set_host(self, node: Node, host: Optional[bytes]) -> None:
+        """Replace a node's host value, keeping the host counters exact."""
+        if node.host_value is not None:
+            size = len(node.host_value) >> 2
+            if node.host_lock_ref:
+                self.host_protected_size -= size
+            else:
+                self.host_evictable_size -= size
+        node.host_value = host
+        if host is not None:
+            size = len(host) >> 2
+            if node.host_lock_ref:
+                self.host_protected_size += size
+            else:
+                self.host_evictable_size += size
 
     def _node(self, node_id: int) -> Node:
         if node_id & ~_SERIAL_MASK != self._tag:
@@ -176,80 +421,124 @@ class RadixTree:
             raise StaleHandle(f"node handle {node_id:#x} is stale: the node was evicted or never existed")
         return node
 
-    def _walk(self, kb: bytes, n: int, root: Node, split: bool) -> tuple[Node, int, list[bytes]]:
-        """Follow kb[:n] from root: deepest matched node, matched bytes, device values (split=False: no
-        mutation, a partially matched edge counts in the length only). Compares in place: no big copies."""
+    def _own(self, handle: int, what: str) -> None:
+        if handle & ~_SERIAL_MASK != self._tag:
+            raise ForeignHandle(f"{what} {handle:#x} belongs to another server instance")
+
+    # ---------------------------------------------------------------- split
+    def _split(self, child: Node, m: int) -> Node:
+        """Cut child's edge after m key bytes; the new upper node inherits locks, hits, priority, pins."""
+        parent = child.parent
+        pos4 = (m // self._isz) * 4
+        upper = Node(self._mint(), parent, child.key[:m], None if child.value is None else child.value[:pos4],
+                     0, child.priority, child.ns)
+        upper.created = child.created
+        upper.hit_count = child.hit_count
+        upper.lock_ref = child.lock_ref
+        if child.value is not None:
+            child.value = child.value[pos4:]
+        if child.host_value is not None:
+            host = child.host_value
+            hl = child.host_lock_ref
+            self._set_host(child, None)  # out with the whole, in with both fragments
+            child.host_value = None
+            if child.pending and self._backups[child.pending].committed:
+                upper.host_lock_ref = 1  # the backup op host-locks each of its nodes
+            self._set_host(upper, host[:pos4])
+            child.host_lock_ref = hl
+            self._set_host(child, host[pos4:])
+        if child.pending:
+            upper.pending = child.pending
+            nodes = self._backups[child.pending].nodes
+            nodes.insert(nodes.index(child), upper)
+        upper.loading = child.loading
+        if child in self._coexist:
+            self._coexist.add(upper)
+        parent.children[child.key[:self._page_b]] = upper
+        child.key = child.key[m:]
+        child.parent = upper
+        upper.children[child.key[:self._page_b]] = child
+        self._nodes[upper.id] = upper
+        upper.last_access = self._next_tick()
+        child.last_access = self._next_tick()
+        self._refresh(child)
+        return upper
+
+    # ------------------------------------------------------------- public API
+    def match_prefix(self, tokens: TokenInput, namespace: Namespace = DEFAULT_NS) -> MatchResult:
+        """Longest cached page-aligned prefix over both tiers; a match ending inside an edge splits it."""
+        kb = self._encode_key(tokens)
+        n = self._align(len(kb))
+        isz = self._isz
+        self.counters.queried_tokens += n // isz
+        root = self._roots.get(namespace)
+        if root is None:  # a namespace never seen: allocate nothing
+            root = self._roots[DEFAULT_NS]
+            return MatchResult(_EMPTY, 0, 0, root.id, root.id)
         node, off, vals, pb = root, 0, [], self._page_b
+        dev, dev_off = root, 0
+        path = []
+        while off < n:
+            child = node.children.get(kb[off:off + pb])
+            if child is None:
+                break
+            ck = child.key
+            if off + len(ck) <= n and kb.startswith(ck, off):
+                off += len(ck)
+                full = True
+            else:
+                m = self._common_bytes(ck, kb, off, n)
+                child = self._split(child, m)
+                off += m
+                full = False
+            if child.value is not None:
+                vals.append(child.value)
+                dev, dev_off = child, off
+            path.append(child)
+            node = child
+            if not full:
+                break
+        matched = dev_off // isz
+        host_hit = (off - dev_off) // isz
+        self.counters.hit_tokens += matched
+        self.counters.host_hit_tokens += host_hit
+        if path:
+            tick = self._tick
+            for nd in path:  # root to leaf: a child is always newer than its parent (R2.3)
+                tick += 1
+                nd.last_access = tick
+            self._tick = tick
+            self._refresh(node)
+            if dev is not node and dev is not root:
+                self._refresh(dev)
+        indices = np.frombuffer(b"".join(vals), dtype="<i4") if vals else _EMPTY
+        return MatchResult(indices, matched, host_hit, dev.id, node.id)
+
+    def cached_prefix_len(self, tokens: TokenInput, namespace: Namespace = DEFAULT_NS) -> int:
+        """Device-resident length match_prefix would return, without splitting or touching anything."""
+        return self._cached_len(self._encode_key(tokens), namespace)
+
+    def _cached_len(self, kb: bytes, namespace: Namespace) -> int:
+        node = self._roots.get(namespace)
+        if node is None:
+            return 0
+        n, off, pb = self._align(len(kb)), 0, self._page_b
         while off < n:
             child = node.children.get(kb[off:off + pb])
             if child is None or child.value is None:
                 break
             ck = child.key
             if off + len(ck) <= n and kb.startswith(ck, off):
-                vals.append(child.value)
                 off += len(ck)
                 node = child
                 continue
-            m = self._common_bytes(ck, kb, off, n)
-            if m and split:
-                node = self._split(child, m)
-                vals.append(node.value)
-            off += m
+            off += self._common_bytes(ck, kb, off, n)
             break
-        return node, off, vals
-
-    def _split(self, child: Node, m: int) -> Node:
-        """Cut child's edge after m key bytes; the new upper node inherits locks, hits and priority."""
-        parent = child.parent
-        pos = m // self._isz
-        upper = Node(self._mint(), parent, child.key[:m], child.value[:pos * 4], child.last_access,
-                     child.priority, child.ns)
-        upper.created = child.created
-        upper.hit_count = child.hit_count
-        upper.lock_ref = child.lock_ref
-        parent.children[child.key[:self._page_b]] = upper
-        child.key = child.key[m:]
-        child.value = child.value[pos * 4:]
-        child.parent = upper
-        upper.children[child.key[:self._page_b]] = child
-        self._nodes[upper.id] = upper
-        return upper
-
-    # ------------------------------------------------------------- public API
-    def match_prefix(self, tokens: TokenInput, namespace: Namespace = DEFAULT_NS) -> MatchResult:
-        """Longest cached page-aligned prefix; a match ending inside an edge splits it."""
-        kb = self._encode_key(tokens)
-        end = self._align(len(kb))
-        root = self._root(namespace)
-        node, off, vals = self._walk(kb, end, root, split=True)
-        queried = end // self._isz
-        matched = off // self._isz
-        self.counters.queried_tokens += queried
-        self.counters.hit_tokens += matched
-        if node is not root:
-            tick = self._next_tick()
-            walker = node
-            while walker is not root:
-                walker.last_access = tick
-                walker.hit_count += 1
-                walker = walker.parent
-            self._refresh(node)
-        indices = np.frombuffer(b"".join(vals), dtype="<i4") if vals else _EMPTY
-        return MatchResult(indices, matched, 0, node.id)
-
-    def cached_prefix_len(self, tokens: TokenInput, namespace: Namespace = DEFAULT_NS) -> int:
-        """Length match_prefix would return, without splitting or touching anything."""
-        return self._cached_len(self._encode_key(tokens), namespace)
-
-    def _cached_len(self, kb: bytes, namespace: Namespace) -> int:
-        root = self._root(namespace, create=False)
-        if root is None:
-            return 0
-        return self._walk(kb, self._align(len(kb)), root, split=False)[1] // self._isz
+        return off // self._isz
 
     def insert(self, tokens: TokenInput, values: TokenInput, namespace: Namespace = DEFAULT_NS,
-               prev_prefix_len: int = 0, priority: int = 0) -> InsertResult:
-        """Cache tokens -> slots; returns duplicates the caller must free and the unaligned tail it keeps."""
+               prev_prefix_len: int = 0, priority: int = 0, chunked: bool = False) -> InsertResult:
+        """Cache tokens -> slots; returns duplicates to free, the tail the caller keeps and backups to run."""
         kb = self._encode_key(tokens)
         vals = as_int32(values)
         npos = len(kb) // self._isz
@@ -260,12 +549,17 @@ class RadixTree:
             raise InvalidInput(f"prev_prefix_len {prev_prefix_len} outside [0, {aligned}]")
         if prev_prefix_len and self._cached_len(kb, namespace) < prev_prefix_len:
             raise InvalidInput(f"prev_prefix_len {prev_prefix_len} exceeds the cached prefix")
-        tail = vals[aligned:]
         vb = vals[:aligned].tobytes()
-        root = self._root(namespace)
-        tick = self._next_tick()
+        root = self._root(namespace, create=aligned > 0)
+        if root is None:  # nothing to cache in a namespace never seen: allocate nothing
+            return InsertResult(0, self._roots[DEFAULT_NS].id, _EMPTY, 0, vals)
         node, off, pb, isz, n = root, 0, self._page_b, self._isz, aligned * self._isz
         dups: list[bytes] = []
+        dev_end = -1  # byte offset where the device-resident part of the path ended
+        unevicted = 0
+        stopped = False
+        want_backup: Optional[Node] = None
+        thr = self.write_through_threshold
         while off < n:
             child = node.children.get(kb[off:off + pb])
             if child is None:
@@ -275,123 +569,497 @@ class RadixTree:
                 child = self._split(child, self._common_bytes(ck, kb, off, n))
             length = len(child.key) // isz
             pos = off // isz
-            child.last_access = tick
-            child.hit_count += 1
+            if child.value is None:
+                if child.loading:  # a load-back will fill it: stop, the rest stays with the caller
+                    stopped = True
+                    break
+                if dev_end < 0:
+                    dev_end = off
+                self._unevict(child, vb[pos * 4:(pos + length) * 4])
+                unevicted += length
+            else:
+                dup_from = max(pos, prev_prefix_len)
+                if dup_from < pos + length:
+                    dups.append(vb[dup_from * 4:(pos + length) * 4])
+            child.last_access = self._next_tick()
             if priority > child.priority:
                 child.priority = priority
-            dup_from = max(pos, prev_prefix_len)
-            if dup_from < pos + length:
-                dups.append(vb[dup_from * 4:(pos + length) * 4])
+            if not chunked:
+                child.hit_count += 1
+                if self._through and child.host_value is None and not child.pending and child.hit_count >= thr:
+                    want_backup = child
             self._refresh(child)
             off += len(child.key)
             node = child
-        adopted = 0
-        if off < n:
+        if dev_end < 0:
+            dev_end = off
+        if off < n and not stopped:
             pos = off // isz
-            leaf = Node(self._mint(), node, kb[off:n], vb[pos * 4:], tick, priority, namespace)
+            leaf = Node(self._mint(), node, kb[off:n], vb[pos * 4:], self._next_tick(), priority, namespace)
             node.children[leaf.key[:pb]] = leaf
             self._nodes[leaf.id] = leaf
-            adopted = aligned - pos
-            self.evictable_size += adopted  # a new leaf is unlocked even under a locked parent
+            self.evictable_size += aligned - pos  # a new leaf is unlocked even under a locked parent
             self._drop_leaf(node)
+            if not chunked:
+                leaf.hit_count = 1
+                if self._through and thr <= 1:
+                    want_backup = leaf
             self._add_leaf(leaf)
             node = leaf
-            self.counters.inserted_tokens += adopted
+            off = n
+        adopted = (off - dev_end) // isz
+        self.counters.inserted_tokens += adopted
+        backups = self._backup_chain(want_backup) if want_backup is not None else ()
         dup = np.frombuffer(b"".join(dups), dtype="<i4") if dups else _EMPTY
-        return InsertResult(aligned - adopted, node.id, dup, adopted, tail)
+        return InsertResult(dev_end // isz, node.id, dup, adopted, vals[off // isz:], unevicted, backups)
 
-    def lock(self, node_id: int) -> int:
-        """Protect a node and all its ancestors from eviction; returns the receipt that unlock replays."""
-        node = self._node(node_id)
+    def _unevict(self, node: Node, value: bytes) -> None:
+        """A host-only node takes the request's fresh device slots (R1.20): it becomes 'both'."""
+        node.value = value
+        self.evictable_size += len(value) >> 2  # host-only nodes carry no device lock
+        self._drop_hleaf(node)
+        if node.parent.parent is not None:
+            self._drop_leaf(node.parent)
+        if self.write_back:
+            self._coexist.add(node)
+        self._add_leaf(node)  # no device child yet; a deeper unevict or leaf drops it again
+
+    # --------------------------------------------------------------- backups
+    def _start_backup(self, node: Node, write_back: bool) -> BackupAction:
+        ack = self._mint()
+        node.pending = ack
+        self._dlock(node)
+        self._backups[ack] = _BackupOp(node, write_back)
+        return BackupAction(ack, (node.id,), np.frombuffer(node.value, dtype="<i4"), write_back)
+
+    def _backup_chain(self, node: Node) -> tuple[BackupAction, ...]:
+        """Write-through backs up parent-first (R1.12): one action per unbacked ancestor, then the node."""
+        chain = []
         walker = node
-        while walker.parent is not None:
-            if walker.lock_ref == 0:
-                size = len(walker.value) // 4
-                self.evictable_size -= size
-                self.protected_size += size
-                self._drop_leaf(walker)
-            walker.lock_ref += 1
+        while walker.parent is not None and walker.host_value is None and not walker.pending:
+            chain.append(walker)
             walker = walker.parent
-        walker.lock_ref += 1  # the namespace root counts receipts too, so it is never pruned under one
+        return tuple(self._start_backup(nd, False) for nd in reversed(chain))
+
+    def _backup_op(self, ack: int) -> _BackupOp:
+        self._own(ack, "backup ack")
+        op = self._backups.get(ack)
+        if op is None:
+            raise UnknownReceipt(f"backup ack {ack:#x} is unknown or already finished")
+        return op
+
+    def commit_backup(self, ack: int, host_slots: TokenInput) -> None:
+        """The engine allocated host slots and started the copy: the nodes are backed up from now on."""
+        op = self._backup_op(ack)
+        if op.committed:
+            raise StateConflict(f"backup ack {ack:#x} is already committed")
+        hs = as_int32(host_slots).tobytes()
+        total = sum(len(nd.value) for nd in op.nodes)
+        if len(hs) != total:
+            raise InvalidInput(f"{len(hs) // 4} host slots for a backup of {total // 4} tokens")
+        top = op.nodes[0].parent
+        if self._through and top.parent is not None and top.host_value is None:
+            raise StateConflict(f"backup ack {ack:#x}: the parent is not backed up (write-through is parent-first)")
+        off = 0
+        for nd in op.nodes:
+            size = len(nd.value)
+            nd.host_lock_ref += 1  # the copy still writes the host slots: protect them until finish
+            self._set_host(nd, hs[off:off + size])
+            off += size
+            if self.write_back:
+                self._coexist.add(nd)
+        op.committed = True
+        self.counters.backup_tokens += total >> 2
+
+    def finish_backup(self, ack: int) -> FreedSlots:
+        """The copy completed: unlock and publish; a write-back is demoted now (device slots returned)."""
+        op = self._backup_op(ack)
+        if not op.committed:
+            raise StateConflict(f"backup ack {ack:#x} was never committed")
+        del self._backups[ack]
+        for nd in op.nodes:
+            nd.pending = 0
+            self._hunlock(nd)
+        self._dunlock(op.nodes[-1])
+        freed: list[bytes] = []
+        if op.write_back:
+            for nd in reversed(op.nodes):  # deepest first: each demotion can make its parent a D-leaf
+                if nd in self._leaves:
+                    freed.append(self._demote(nd))
+        return FreedSlots(_slots(freed), _EMPTY)
+
+    def abort_backup(self, ack: int) -> FreedSlots:
+        """The copy failed or was never started: undo it; returns the slots the caller must free."""
+        op = self._backup_op(ack)
+        deeper = []
+        if self._through:  # descendants backed up after this node must go too, or host closure breaks
+            stack = list(op.nodes[-1].children.values())
+            while stack:
+                nd = stack.pop()
+                if nd.host_value is not None or nd.pending:
+                    if not nd.pending or nd.value is None:
+                        raise StateConflict(f"backup ack {ack:#x}: descendant {nd.id:#x} already finished its "
+                                            "backup; abort in reverse order of completion")
+                    deeper.append(nd.pending)
+                stack.extend(nd.children.values())
+        host: list[bytes] = []
+        dev: list[bytes] = []
+        for other in dict.fromkeys(deeper):
+            if other in self._backups:
+                r = self._undo_backup(other)
+                host.append(r.host.tobytes())
+        r = self._undo_backup(ack)
+        host.append(r.host.tobytes())
+        dev.append(r.device.tobytes())
+        return FreedSlots(_slots(dev), _slots(host))
+
+    def _undo_backup(self, ack: int) -> FreedSlots:
+        op = self._backups.pop(ack)
+        host: list[bytes] = []
+        for nd in op.nodes:
+            nd.pending = 0
+            if op.committed:
+                host.append(nd.host_value)
+                self._set_host(nd, None)
+                nd.host_lock_ref -= 1
+        self._dunlock(op.nodes[-1])
+        dev = _EMPTY
+        if op.write_back:  # eviction wanted these slots: drop the unbacked subtree if nothing pins it (R1.23)
+            r = self._drop_subtree(op.nodes[0])
+            dev = r.device
+            host.append(r.host.tobytes())
+        return FreedSlots(dev, _slots(host))
+
+    def _drop_subtree(self, top: Node) -> FreedSlots:
+        """Delete an unbacked device node and its host-only descendants unless something there is pinned."""
+        stack, sub = [top], []
+        while stack:
+            nd = stack.pop()
+            if nd.lock_ref or nd.host_lock_ref or nd.pending or nd.loading:
+                return FreedSlots(_EMPTY, _EMPTY)
+            sub.append(nd)
+            stack.extend(nd.children.values())
+        dev: list[bytes] = []
+        host: list[bytes] = []
+        for nd in reversed(sub):  # children before parents
+            if nd.value is not None:
+                dev.append(nd.value)
+                self.evictable_size -= len(nd.value) >> 2
+            if nd.host_value is not None:
+                host.append(nd.host_value)
+                self._set_host(nd, None)
+            self._unlink(nd)
+        d, h = _slots(dev), _slots(host)
+        self.counters.evicted_tokens_device += d.size
+        self.counters.evicted_tokens_host += h.size
+        self._tombstone(top.parent)
+        return FreedSlots(d, h)
+
+    def _unlink(self, node: Node) -> None:
+        self._drop_leaf(node)
+        self._drop_hleaf(node)
+        self._coexist.discard(node)
+        del node.parent.children[node.key[:self._page_b]]
+        del self._nodes[node.id]
+
+    def _tombstone(self, node: Node) -> None:
+        """After a child went: the parent may now be a leaf of either tier, or an empty namespace root."""
+        if node.parent is None:
+            if node.lock_ref == 0:
+                self._prune_root(node)
+            return
+        self._sync(node)
+
+    def _demote(self, node: Node) -> bytes:
+        """Drop a backed-up D-leaf's device copy; it stays cached host-only (R3.7)."""
+        value = node.value
+        size = len(value) >> 2
+        self._drop_leaf(node)
+        node.value = None
+        self.evictable_size -= size
+        self.counters.evicted_tokens_device += size
+        self.counters.demoted_tokens += size
+        if self._is_hleaf(node):
+            self._add_hleaf(node)
+        parent = node.parent
+        if parent.parent is not None and self._is_leaf(parent) and parent not in self._leaves:
+            self._add_leaf(parent)
+        return value
+
+    # ---------------------------------------------------------------- locks
+    def lock(self, node_id: int) -> int:
+        """Protect a node's path from eviction; returns the receipt that unlock replays.
+
+        On a host-only node the device-resident ancestors are device-locked and the node is host-locked,
+        so a later load-back finds the whole prefix still cached.
+        """
+        node = self._node(node_id)
+        dev, host = node, None
+        if node.value is None:
+            host = node
+            while dev.value is None:
+                dev = dev.parent
+        self._dlock(dev)
+        if host is not None:
+            self._hlock(host)
         receipt = self._mint()
-        self._receipts[receipt] = node
+        self._receipts[receipt] = (dev, host)
         return receipt
 
     def unlock(self, receipt: int) -> None:
         """Release exactly what lock(receipt) took; a second release raises UnknownReceipt."""
-        if receipt & ~_SERIAL_MASK != self._tag:
-            raise ForeignHandle(f"receipt {receipt:#x} belongs to another server instance")
-        node = self._receipts.pop(receipt, None)
-        if node is None:
+        self._own(receipt, "receipt")
+        if receipt in self._loads:
+            raise InFlight(f"receipt {receipt:#x} belongs to a load-back still in flight")
+        r = self._receipts.pop(receipt, None)
+        if r is None:
             raise UnknownReceipt(f"receipt {receipt:#x} is unknown or already released")
-        walker = node
-        while walker.parent is not None:
-            walker.lock_ref -= 1
-            if walker.lock_ref == 0:
-                size = len(walker.value) // 4
-                self.protected_size -= size
-                self.evictable_size += size
-                if self._is_leaf(walker):
-                    self._add_leaf(walker)
-            walker = walker.parent
-        walker.lock_ref -= 1
+        dev, host = r
+        if host is not None:
+            self._hunlock(host)
+        self._dunlock(dev)
 
     def has_receipt(self, receipt: int) -> bool:
         """Whether a receipt is live (issued by this tree and not yet released)."""
         return receipt in self._receipts
 
+    # -------------------------------------------------------------- eviction
     def evict(self, num_tokens: int) -> EvictResult:
-        """Delete unlocked leaves in policy order until num_tokens are freed or none is left."""
+        """Free device slots from unlocked D-leaves in policy order until num_tokens are freed or pending.
+
+        A backed-up leaf is demoted (kept host-only); an unbacked one is deleted, or under write-back
+        handed back as a write-back action whose tokens count toward num_tokens.
+        """
+        freed: list[bytes] = []
+        count = demoted = wb_tokens = deleted = 0
+        write_backs: list[BackupAction] = []
+        heap, leaves, nodes, pb = self._heap, self._leaves, self._nodes, self._page_b
+        pop = heapq.heappop
+        host, write_back = self.host, self.write_back
+        while count + deleted + wb_tokens < num_tokens and heap:
+            _, _, ver, node = pop(heap)
+            if ver != node.dver or node not in leaves:
+                continue
+            if host:
+                if node.host_value is not None:
+                    size = len(node.value) >> 2
+                    freed.append(self._demote(node))
+                    count += size
+                    demoted += size
+                    continue
+                if write_back:
+                    leaves.discard(node)
+                    node.dver += 1
+                    action = self._start_backup(node, True)
+                    write_backs.append(action)
+                    wb_tokens += action.tokens
+                    continue
+            leaves.discard(node)
+            node.dver += 1
+            parent = node.parent
+            del parent.children[node.key[:pb]]
+            del nodes[node.id]
+            value = node.value
+            freed.append(value)
+            deleted += len(value) >> 2
+            if host:
+                self._coexist.discard(node)
+                self._tombstone(parent)
+            elif not parent.children and parent.lock_ref == 0:
+                if parent.parent is not None:
+                    self._add_leaf(parent)
+                elif parent.ns != DEFAULT_NS:
+                    del self._roots[parent.ns]
+                    del nodes[parent.id]
+        count += deleted
+        self.evictable_size -= deleted
+        self.counters.evicted_tokens_device += deleted
+        if len(heap) > 2 * len(leaves) + 1024:
+            self._heap = self._rebuild(leaves, "dver")
+        return EvictResult(_slots(freed), count, tuple(write_backs), demoted)
+
+    def evict_host(self, num_tokens: int) -> EvictResult:
+        """Free host slots: under write-back reclaim copies of device-resident nodes first (R1.23), then
+        delete host-only leaves in policy order; parents become leaves in turn, empty roots go."""
         freed: list[bytes] = []
         count = 0
-        heap, leaves, nodes, pb = self._heap, self._leaves, self._nodes, self._page_b
+        if self.write_back and self._coexist:
+            cands = [nd for nd in self._coexist if self._reclaimable(nd)]
+            self._coexist.intersection_update(cands)
+            cands.sort(key=self._key_of)
+            for nd in cands:
+                if count >= num_tokens:
+                    break
+                freed.append(nd.host_value)
+                count += len(nd.host_value) >> 2
+                self._set_host(nd, None)
+                self._coexist.discard(nd)
+            self.counters.reclaimed_host_tokens += count
+        heap, leaves = self._hheap, self._hleaves
         pop = heapq.heappop
         while count < num_tokens and heap:
             _, _, ver, node = pop(heap)
             if ver != node.hver or node not in leaves:
                 continue
-            leaves.discard(node)
-            parent = node.parent
-            del parent.children[node.key[:pb]]
-            del nodes[node.id]
-            node.hver += 1
-            value = node.value
+            value = node.host_value
             freed.append(value)
             count += len(value) >> 2
-            if not parent.children and parent.lock_ref == 0:
-                if parent.parent is not None:
-                    if parent.value is not None:
-                        self._add_leaf(parent)
-                elif parent.ns != DEFAULT_NS:
-                    del self._roots[parent.ns]
-                    del nodes[parent.id]
-        self.evictable_size -= count
+            self.counters.evicted_tokens_host += len(value) >> 2
+            self._set_host(node, None)
+            parent = node.parent
+            self._unlink(node)
+            self._tombstone(parent)
         if len(heap) > 2 * len(leaves) + 1024:
-            self._rebuild_heap()
-        self.counters.evicted_tokens_device += count
-        return EvictResult(np.frombuffer(b"".join(freed), dtype="<i4") if freed else _EMPTY, count)
+            self._hheap = self._rebuild(leaves, "hver")
+        return EvictResult(_slots(freed), count)
 
-    def _rebuild_heap(self) -> None:
-        self._heap = []
-        for node in self._leaves:
-            node.hver += 1
+    @staticmethod
+    def _reclaimable(nd: Node) -> bool:
+        return (nd.parent is not None and nd.value is not None and nd.host_value is not None
+                and not nd.pending and not nd.loading and nd.host_lock_ref == 0)
+
+    def _rebuild(self, leaves: set[Node], ver: str) -> list[tuple]:
+        heap = []
+        for node in leaves:
+            v = getattr(node, ver) + 1
+            setattr(node, ver, v)
             self._heap_seq += 1
-            self._heap.append((self._key_of(node), self._heap_seq, node.hver, node))
-        heapq.heapify(self._heap)
+            heap.append((self._key_of(node), self._heap_seq, v, node))
+        heapq.heapify(heap)
+        return heap
 
-    def reset(self) -> np.ndarray:
-        """Drop every cached prefix; refuses while any lock is held. Returns the slots to free."""
-        if self._receipts:
-            raise LocksHeld(f"{len(self._receipts)} lock receipts are outstanding")
-        freed = self.all_device_values()
+    # ------------------------------------------------------------- load-back
+    def load_back(self, node_id: int, mem_quota: Optional[int] = None,
+                  device_free: Optional[int] = None) -> LoadBackPlan:
+        """Plan loading the evicted segment above node (all or nothing); locks it until commit/finish/abort.
+
+        Refused (op 0, locks untouched) below load_back_threshold, when `kv_tokens > mem_quota -
+        newly_protected` (R2.7), when another load-back already pins the segment, or when `device_free`
+        plus what is evictable outside the path cannot hold it.
+        """
+        node = self._node(node_id)
+        if mem_quota is not None and mem_quota < 0:
+            raise InvalidInput(f"mem_quota {mem_quota} is negative")
+        if device_free is not None and device_free < 0:
+            raise InvalidInput(f"device_free {device_free} is negative")
+        if node.value is not None:
+            return LoadBackPlan(0, (), _EMPTY, 0, "resident")
+        seg = []
+        dev = node
+        while dev.value is None:
+            seg.append(dev)
+            dev = dev.parent
+        seg.reverse()
+        ids = tuple(nd.id for nd in seg)
+        host = _slots([nd.host_value for nd in seg])
+        if any(nd.loading for nd in seg):
+            return LoadBackPlan(0, ids, host, 0, "pinned")
+        kv = int(host.size)
+        if kv < self.load_back_threshold:
+            return LoadBackPlan(0, ids, host, 0, "threshold")
+        newly = 0
+        walker = dev
+        while walker.parent is not None:
+            if walker.lock_ref == 0:
+                newly += len(walker.value) >> 2
+            walker = walker.parent
+        if mem_quota is not None and kv > mem_quota - newly:
+            return LoadBackPlan(0, ids, host, 0, "quota")
+        evict = max(0, kv - device_free) if device_free is not None else 0
+        if evict > self.evictable_size - newly:
+            return LoadBackPlan(0, ids, host, evict, "no_room")
+        op = self._mint()
+        self._dlock(dev)
+        self._hlock(node)
+        for nd in seg:
+            nd.loading = op
+        self._loads[op] = _LoadOp(node, dev)
+        return LoadBackPlan(op, ids, host, evict)
+
+    def _load_op(self, op: int) -> _LoadOp:
+        self._own(op, "load-back op")
+        lo = self._loads.get(op)
+        if lo is None:
+            raise UnknownReceipt(f"load-back op {op:#x} is unknown or already finished")
+        return lo
+
+    def _segment(self, op: int, lo: _LoadOp) -> list[Node]:
+        seg = []
+        nd = lo.node
+        while nd is not lo.dev:
+            seg.append(nd)
+            nd = nd.parent
+        seg.reverse()
+        return seg
+
+    def commit_load_back(self, op: int, device_slots: TokenInput) -> np.ndarray:
+        """The engine allocated device slots and started the copy; returns the whole path's device slots."""
+        lo = self._load_op(op)
+        if lo.slots is not None:
+            raise StateConflict(f"load-back op {op:#x} is already committed")
+        slots = as_int32(device_slots)
+        seg = self._segment(op, lo)
+        total = sum(len(nd.host_value) for nd in seg) >> 2
+        if slots.size != total:
+            raise InvalidInput(f"{slots.size} device slots for a load-back of {total} tokens")
+        lo.slots = slots.copy()
+        return np.concatenate([self.path_values(lo.dev), lo.slots])
+
+    def finish_load_back(self, op: int) -> int:
+        """The copy completed: the segment is device-resident, and `op` is now a receipt locking the path."""
+        lo = self._load_op(op)
+        if lo.slots is None:
+            raise StateConflict(f"load-back op {op:#x} was never committed")
+        del self._loads[op]
+        vb = lo.slots.tobytes()
+        off = 0
+        for nd in self._segment(op, lo):
+            size = len(nd.host_value)
+            nd.value = vb[off:off + size]
+            off += size
+            nd.loading = 0
+            self.evictable_size += size >> 2
+            self._drop_hleaf(nd)
+            if self.write_back:
+                self._coexist.add(nd)
+        self.counters.load_back_tokens += off >> 2
+        self._drop_leaf(lo.dev)
+        self._dlock(lo.node)
+        self._dunlock(lo.dev)
+        self._hunlock(lo.node)
+        self._receipts[op] = (lo.node, None)
+        return op
+
+    def abort_load_back(self, op: int) -> np.ndarray:
+        """Undo a planned or failed load-back; returns the device slots (if committed) the caller frees."""
+        lo = self._load_op(op)
+        del self._loads[op]
+        for nd in self._segment(op, lo):
+            nd.loading = 0
+        self._dunlock(lo.dev)
+        self._hunlock(lo.node)
+        return lo.slots if lo.slots is not None else _EMPTY
+
+    # ----------------------------------------------------------- whole cache
+    def reset(self) -> FreedSlots:
+        """Drop every cached prefix; refuses while any lock or transfer is outstanding."""
+        if self._receipts or self._backups or self._loads:
+            raise LocksHeld(f"{len(self._receipts)} lock receipts, {len(self._backups)} backups and "
+                            f"{len(self._loads)} load-backs are outstanding")
+        freed = FreedSlots(self.all_device_values(), self.all_host_values())
         for node in self._leaves:
+            node.dver += 1
+        for node in self._hleaves:
             node.hver += 1
         self._nodes.clear()
         self._roots.clear()
         self._leaves.clear()
+        self._hleaves.clear()
+        self._coexist.clear()
         self._heap = []
-        self.evictable_size = 0
-        self.protected_size = 0
+        self._hheap = []
+        self.evictable_size = self.protected_size = 0
+        self.host_evictable_size = self.host_protected_size = 0
         self._root(DEFAULT_NS)
         return freed
 
@@ -405,15 +1073,34 @@ class RadixTree:
                 yield node
                 stack.extend(node.children.values())
 
+    def path_values(self, node: Node) -> np.ndarray:
+        """Device slots from the root down to a device-resident node."""
+        parts = []
+        while node.parent is not None:
+            parts.append(node.value)
+            node = node.parent
+        parts.reverse()
+        return _slots(parts)
+
     def all_device_values(self) -> np.ndarray:
         """All device slots the tree owns, in no particular order."""
         parts = [n.value for n in self.iter_nodes() if n.parent is not None and n.value]
+        return np.frombuffer(b"".join(parts), dtype="<i4").copy() if parts else _EMPTY.copy()
+
+    def all_host_values(self) -> np.ndarray:
+        """All host slots the tree owns (committed backups included), in no particular order."""
+        parts = [n.host_value for n in self.iter_nodes() if n.host_value]
         return np.frombuffer(b"".join(parts), dtype="<i4").copy() if parts else _EMPTY.copy()
 
     @property
     def cached_tokens(self) -> int:
         """Tokens whose KV sits in device slots owned by the tree."""
         return self.evictable_size + self.protected_size
+
+    @property
+    def host_cached_tokens(self) -> int:
+        """Tokens whose KV sits (or is being written) in host slots owned by the tree."""
+        return self.host_evictable_size + self.host_protected_size
 
     @property
     def num_nodes(self) -> int:
@@ -424,6 +1111,11 @@ class RadixTree:
     def num_receipts(self) -> int:
         """Lock receipts not yet released."""
         return len(self._receipts)
+
+    @property
+    def num_transfers(self) -> int:
+        """Backups and load-backs planned or in flight."""
+        return len(self._backups) + len(self._loads)
 
     def check(self) -> list[str]:
         """Recompute every counter, set and link from scratch; return every violation found."""
