@@ -884,8 +884,9 @@ class RadixTree:
         freed: list[bytes] = []
         count = 0
         if self.write_back and self._coexist:
+            self._coexist = {nd for nd in self._coexist if nd.value is not None and nd.host_value is not None
+                             and self._nodes.get(nd.id) is nd}  # drop stale entries
             cands = [nd for nd in self._coexist if self._reclaimable(nd)]
-            self._coexist.intersection_update(cands)
             cands.sort(key=self._key_of)
             for nd in cands:
                 if count >= num_tokens:
