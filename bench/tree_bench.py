@@ -5,6 +5,10 @@ different interpreter (SGLang usually lives in its own venv: --sglang-python /pa
 Workloads: synthetic multi-turn conversations (page 1 and 16) and replays of ../shared/traces/*.jsonl.
 
     python bench/tree_bench.py [--sglang-python PY] [--conversations 1000] [--trace-requests 500]
+                               [--write-policy write_through|write_through_selective|write_back]
+
+With --write-policy the host tier is on: every backup the tree asks for is committed and finished inline
+(no data is copied), so the numbers show the tree's own cost of the second tier.
 
 Last line: RESULT insert_x=<ratio> match_x=<ratio> evict_x=<ratio> mem_x=<ratio>
 """
@@ -96,9 +100,10 @@ def workloads(args):
 
 # ------------------------------------------------------------------ adapters
 class RadixdImpl:
-    def __init__(self, page: int):
+    def __init__(self, page: int, write_policy: str | None = None):
         from radixd.server.tree import RadixTree
-        self.t = RadixTree(page_size=page)
+        self.t = RadixTree(page_size=page, write_policy=write_policy) if write_policy else RadixTree(page_size=page)
+        self.host_slot = 0
 
     def prep(self, toks, start):
         return toks, np.arange(start, start + len(toks), dtype=np.int32)
@@ -107,7 +112,14 @@ class RadixdImpl:
         return toks
 
     def insert(self, k, v):
-        self.t.insert(k, v)
+        r = self.t.insert(k, v)
+        for a in getattr(r, "backups", ()):  # host tier on: what the engine does, minus the copy itself
+            self._backup(a)
+
+    def _backup(self, a):
+        self.t.commit_backup(a.ack, np.arange(self.host_slot, self.host_slot + a.tokens, dtype=np.int32))
+        self.host_slot += a.tokens
+        self.t.finish_backup(a.ack)
 
     def match(self, k):
         return self.t.match_prefix(k).node_id
@@ -116,7 +128,10 @@ class RadixdImpl:
         self.t.unlock(self.t.lock(node))
 
     def evict(self, n):
-        return self.t.evict(n).evicted_tokens
+        r = self.t.evict(n)
+        for a in getattr(r, "write_backs", ()):
+            self._backup(a)
+        return r.evicted_tokens
 
     def cached(self):
         return self.t.cached_tokens
@@ -205,7 +220,7 @@ def run_worker(impl_name: str, only: str, args) -> dict:
         if wname != only:
             continue
         ops = make()
-        impl = (RadixdImpl if impl_name == "radixd" else SGLangImpl)(page)
+        impl = RadixdImpl(page, args.write_policy) if impl_name == "radixd" else SGLangImpl(page)
         times = {"insert": [], "match_cont": [], "match_new": [], "lock_unlock": [], "evict": []}
         nodes = []
         slot = 0
@@ -269,6 +284,8 @@ def main() -> None:
     ap.add_argument("--sglang-python", help="interpreter that can import sglang (default: auto-detect)")
     ap.add_argument("--conversations", type=int, default=1000)
     ap.add_argument("--trace-requests", type=int, default=500)
+    ap.add_argument("--write-policy", choices=["write_through", "write_through_selective", "write_back"],
+                    help="run radixd with the host tier on (backups committed and finished inline, no copies)")
     ap.add_argument("--worker", choices=["radixd", "sglang"], help=argparse.SUPPRESS)
     ap.add_argument("--workload", help=argparse.SUPPRESS)
     ap.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
@@ -281,6 +298,8 @@ def main() -> None:
         print(json.dumps(run_worker(args.worker, args.workload, args)))
         return
     base = [__file__, "--conversations", str(args.conversations), "--trace-requests", str(args.trace_requests)]
+    if args.write_policy:
+        base += ["--write-policy", args.write_policy]
     results: dict[str, dict] = {}
     for impl, py in (("radixd", sys.executable), ("sglang", find_sglang_python(args.sglang_python))):
         if py is None:

@@ -81,7 +81,7 @@ def test_unbacked_leaf_is_written_back_then_demoted_under_write_back():
 
 
 def test_failed_write_back_drops_the_unbacked_subtree():
-    t, h = RadixTree(write_policy="write_back"), Host()
+    t = RadixTree(write_policy="write_back")
     t.insert([1, 2, 3], [10, 11, 12])
     e = t.evict(3)
     r = t.abort_backup(e.write_backs[0].ack)
@@ -128,7 +128,7 @@ def test_split_of_pending_backup_publishes_both_fragments():
 
 
 def test_split_before_commit_spreads_host_slots_over_both_fragments():
-    t, h = RadixTree(write_policy="write_through"), Host()
+    t = RadixTree(write_policy="write_through")
     (a,) = t.insert([1, 2, 3, 4], [10, 11, 12, 13]).backups
     up = t.match_prefix([1, 2]).node_id
     t.commit_backup(a.ack, [100, 101, 102, 103])
@@ -293,7 +293,7 @@ def test_write_back_reclaims_host_copies_of_device_nodes_first():
 
 # ------------------------------------------------------------- 11.7 write-through parent-first
 def test_write_through_backs_up_ancestors_first():
-    t, h = RadixTree(write_policy="write_through_selective", write_through_threshold=2), Host()
+    t = RadixTree(write_policy="write_through_selective", write_through_threshold=2)
     t.insert([1, 2], [10, 11])
     t.insert([1, 2, 3, 4], [10, 11, 12, 13])  # [1, 2] now has 2 hits: backed up alone
     r = t.insert([1, 2, 3, 4, 5], [10, 11, 12, 13, 14])
@@ -308,7 +308,7 @@ def test_write_through_backs_up_ancestors_first():
 
 
 def test_child_commit_refused_without_backed_up_parent_and_abort_cascades():
-    t, h = RadixTree(write_policy="write_through"), Host()
+    t = RadixTree(write_policy="write_through")
     t.insert([1, 2], [10, 11], chunked=True)  # chunked: no hits, no backup
     r = t.insert([1, 2, 3], [10, 11, 12])
     pa, ch = r.backups

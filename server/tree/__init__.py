@@ -2,8 +2,8 @@
 from .errors import (ForeignHandle, InFlight, InvalidInput, LocksHeld, StaleHandle, StateConflict, TreeError,
                      UnknownReceipt)
 from .policies import POLICIES
-from .tree import (DEFAULT_NS, WRITE_POLICIES, BackupAction, EvictResult, FreedSlots, InsertResult, LoadBackPlan,
-                   MatchResult, RadixTree, as_int32, bigram_keys)
+from .results import BackupAction, EvictResult, FreedSlots, InsertResult, LoadBackPlan, MatchResult
+from .tree import DEFAULT_NS, WRITE_POLICIES, RadixTree, as_int32, bigram_keys
 
 __all__ = [
     "RadixTree", "MatchResult", "InsertResult", "EvictResult", "BackupAction", "LoadBackPlan", "FreedSlots",

@@ -88,7 +88,7 @@ def _check_transfers(tree: "RadixTree", bad: list[str]) -> None:
 def check_tree(tree: "RadixTree") -> list[str]:
     """Return a list of human-readable violations (empty when the tree is consistent)."""
     bad: list[str] = []
-    isz, page, pb = tree._isz, tree.page_size, tree._page_b
+    isz, pb = tree._isz, tree._page_b
     through = tree.host and not tree.write_back
     seen: dict[int, Node] = {}
     own_dev, own_host = _expected_locks(tree)
