@@ -514,25 +514,39 @@ class RadixTree(TransferMixin):
         so a later load-back finds the whole prefix still cached.
         """
         node = self._node(node_id)
-        dev, host = node, None
-        if node.value is None:
-            host = node
-            while dev.value is None:
-                dev = dev.parent
-        self._dlock(dev)
-        if host is not None:
-            self._hlock(host)
         receipt = self._mint()
-        self._receipts[receipt] = (dev, host)
+        if node.value is not None:  # the common case, inlined: one walk, no extra calls
+            newly = 0
+            walker = node
+            leaves = self._leaves
+            while walker.parent is not None:
+                if walker.lock_ref == 0:
+                    newly += len(walker.value) >> 2
+                    if walker in leaves:
+                        leaves.discard(walker)
+                        walker.dver += 1
+                walker.lock_ref += 1
+                walker = walker.parent
+            walker.lock_ref += 1
+            self.evictable_size -= newly
+            self.protected_size += newly
+            self._receipts[receipt] = (node, None)
+            return receipt
+        dev = node
+        while dev.value is None:
+            dev = dev.parent
+        self._dlock(dev)
+        self._hlock(node)
+        self._receipts[receipt] = (dev, node)
         return receipt
 
     def unlock(self, receipt: int) -> None:
         """Release exactly what lock(receipt) took; a second release raises UnknownReceipt."""
-        self._own(receipt, "receipt")
-        if receipt in self._loads:
-            raise InFlight(f"receipt {receipt:#x} belongs to a load-back still in flight")
         r = self._receipts.pop(receipt, None)
         if r is None:
+            self._own(receipt, "receipt")
+            if receipt in self._loads:
+                raise InFlight(f"receipt {receipt:#x} belongs to a load-back still in flight")
             raise UnknownReceipt(f"receipt {receipt:#x} is unknown or already released")
         dev, host = r
         if host is not None:
@@ -550,53 +564,72 @@ class RadixTree(TransferMixin):
         A backed-up leaf is demoted (kept host-only); an unbacked one is deleted, or under write-back
         handed back as a write-back action whose tokens count toward num_tokens.
         """
+        if not self.host:
+            return self._evict_device_only(num_tokens)
         freed: list[bytes] = []
-        count = demoted = wb_tokens = deleted = 0
+        count = demoted = wb_tokens = 0
         write_backs: list[BackupAction] = []
         heap, leaves, nodes, pb = self._heap, self._leaves, self._nodes, self._page_b
         pop = heapq.heappop
-        host, write_back = self.host, self.write_back
-        while count + deleted + wb_tokens < num_tokens and heap:
+        while count + wb_tokens < num_tokens and heap:
             _, _, ver, node = pop(heap)
             if ver != node.dver or node not in leaves:
                 continue
-            if host:
-                if node.host_value is not None:
-                    size = len(node.value) >> 2
-                    freed.append(self._demote(node))
-                    count += size
-                    demoted += size
-                    continue
-                if write_back:
-                    leaves.discard(node)
-                    node.dver += 1
-                    action = self._start_backup(node, True)
-                    write_backs.append(action)
-                    wb_tokens += action.tokens
-                    continue
+            size = len(node.value) >> 2
+            if node.host_value is not None:
+                freed.append(self._demote(node))
+                count += size
+                demoted += size
+                continue
+            if self.write_back:
+                action = self._start_backup(node, True)
+                write_backs.append(action)
+                wb_tokens += size
+                continue
             leaves.discard(node)
             node.dver += 1
             parent = node.parent
             del parent.children[node.key[:pb]]
             del nodes[node.id]
+            freed.append(node.value)
+            count += size
+            self.evictable_size -= size
+            self.counters.evicted_tokens_device += size
+            self._coexist.discard(node)
+            self._tombstone(parent)
+        if len(heap) > 2 * len(leaves) + 1024:
+            self._heap = self._rebuild(leaves, "dver")
+        return EvictResult(_slots(freed), count, tuple(write_backs), demoted)
+
+    def _evict_device_only(self, num_tokens: int) -> EvictResult:
+        """The host tier is off: delete leaves, nothing else to decide (the hot loop kept minimal)."""
+        freed: list[bytes] = []
+        count = 0
+        heap, leaves, nodes, pb = self._heap, self._leaves, self._nodes, self._page_b
+        pop = heapq.heappop
+        while count < num_tokens and heap:
+            _, _, ver, node = pop(heap)
+            if ver != node.dver or node not in leaves:
+                continue
+            leaves.discard(node)
+            parent = node.parent
+            del parent.children[node.key[:pb]]
+            del nodes[node.id]
+            node.dver += 1
             value = node.value
             freed.append(value)
-            deleted += len(value) >> 2
-            if host:
-                self._coexist.discard(node)
-                self._tombstone(parent)
-            elif not parent.children and parent.lock_ref == 0:
+            count += len(value) >> 2
+            if not parent.children and parent.lock_ref == 0:
                 if parent.parent is not None:
                     self._add_leaf(parent)
                 elif parent.ns != DEFAULT_NS:
                     del self._roots[parent.ns]
                     del nodes[parent.id]
-        count += deleted
-        self.evictable_size -= deleted
-        self.counters.evicted_tokens_device += deleted
+        self.evictable_size -= count
+        self.counters.evicted_tokens_device += count
         if len(heap) > 2 * len(leaves) + 1024:
             self._heap = self._rebuild(leaves, "dver")
-        return EvictResult(_slots(freed), count, tuple(write_backs), demoted)
+        return EvictResult(_slots(freed), count)
 
     def evict_host(self, num_tokens: int) -> EvictResult:
         """Free host slots: under write-back reclaim copies of device-resident nodes first (R1.23), then
