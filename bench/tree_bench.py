@@ -116,10 +116,10 @@ class RadixdImpl:
         for a in getattr(r, "backups", ()):  # host tier on: what the engine does, minus the copy itself
             self._backup(a)
 
-    def _backup(self, a):
+    def _backup(self, a) -> int:
         self.t.commit_backup(a.ack, np.arange(self.host_slot, self.host_slot + a.tokens, dtype=np.int32))
         self.host_slot += a.tokens
-        self.t.finish_backup(a.ack)
+        return int(self.t.finish_backup(a.ack).device.size)  # write-back: demoted once the copy is done
 
     def match(self, k):
         return self.t.match_prefix(k).node_id
@@ -129,9 +129,7 @@ class RadixdImpl:
 
     def evict(self, n):
         r = self.t.evict(n)
-        for a in getattr(r, "write_backs", ()):
-            self._backup(a)
-        return r.evicted_tokens
+        return r.evicted_tokens + sum(self._backup(a) for a in getattr(r, "write_backs", ()))
 
     def cached(self):
         return self.t.cached_tokens

@@ -12,7 +12,7 @@ def _slots(parts: list[bytes]) -> np.ndarray:
     return np.frombuffer(b"".join(parts), dtype="<i4") if parts else _EMPTY
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class MatchResult:
     """Longest cached page-aligned prefix: device slots, device length, host extension and both end nodes."""
 
@@ -23,7 +23,7 @@ class MatchResult:
     best_node_id: int = 0  # deepest matched node, device or host (lock or load back from it)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class BackupAction:
     """Copy these device slots to host: allocate host slots, copy, then commit_backup(ack, host_slots)."""
 
@@ -38,7 +38,7 @@ class BackupAction:
         return int(self.device_slots.size)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class InsertResult:
     """What insert did: which incoming slots the tree adopted, which the caller frees, what it keeps.
 
@@ -55,7 +55,7 @@ class InsertResult:
     backups: tuple[BackupAction, ...] = ()
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class EvictResult:
     """Slots released by eviction (device or host, per call); the caller returns them to the allocator."""
 
@@ -70,7 +70,7 @@ class EvictResult:
         return sum(a.tokens for a in self.write_backs)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class FreedSlots:
     """Slots of both tiers that the caller must return to their allocators."""
 
@@ -78,7 +78,7 @@ class FreedSlots:
     host: np.ndarray
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class LoadBackPlan:
     """A planned host->device load; `op` is 0 and `reason` says why when nothing will be loaded."""
 

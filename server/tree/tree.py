@@ -441,7 +441,7 @@ class RadixTree(TransferMixin):
         unevicted = 0
         stopped = False
         want_backup: Optional[Node] = None
-        thr = self.write_through_threshold
+        thr, through, leaves = self.write_through_threshold, self._through, self._leaves
         while off < n:
             child = node.children.get(kb[off:off + pb])
             if child is None:
@@ -463,14 +463,16 @@ class RadixTree(TransferMixin):
                 dup_from = max(pos, prev_prefix_len)
                 if dup_from < pos + length:
                     dups.append(vb[dup_from * 4:(pos + length) * 4])
-            child.last_access = self._next_tick()
+            self._tick += 1
+            child.last_access = self._tick
             if priority > child.priority:
                 child.priority = priority
             if not chunked:
                 child.hit_count += 1
-                if self._through and child.host_value is None and not child.pending and child.hit_count >= thr:
+                if through and child.host_value is None and not child.pending and child.hit_count >= thr:
                     want_backup = child
-            self._refresh(child)
+            if child in leaves:  # its policy key moved: re-sort (walked nodes are all device-resident now)
+                self._add_leaf(child)
             off += len(child.key)
             node = child
         if dev_end < 0:
