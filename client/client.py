@@ -150,8 +150,28 @@ class CacheClient(_Base):
                  codec.Match(codec.slots_array(r.device_indices), r.matched_len, 0, r.node_id, r.receipt_id))
                 for r in resp.results]
 
-    def evict(self, num_tokens: int) -> int:
-        return self._call("Evict", pb.EvictRequest(num_tokens=num_tokens)).evicted_tokens
+    def evict(self, num_tokens: int, host_tokens: int = 0) -> int:
+        """Evict device tokens (and host tokens); returns the device tokens evicted."""
+        return self._call("Evict", pb.EvictRequest(num_tokens=num_tokens, host_tokens=host_tokens)).evicted_tokens
+
+    def evict_host(self, host_tokens: int) -> int:
+        return self._call("Evict", pb.EvictRequest(host_tokens=host_tokens)).host_evicted_tokens
+
+    def load_back(self, receipt_id: int, mem_quota: Optional[int] = None) -> codec.Loaded:
+        """Bring a locked match's host segment back to device; wait_transfers before reading it."""
+        return self.load_back_batch([(receipt_id, mem_quota)])[0]
+
+    def load_back_batch(self, items: Sequence[tuple[int, Optional[int]]]) -> list[codec.Loaded]:
+        req = pb.LoadBackRequest(session_id=self.session_id, items=[
+            pb.LoadBackItem(receipt_id=r, mem_quota=q) if q is not None else pb.LoadBackItem(receipt_id=r)
+            for r, q in items])
+        return codec.loaded(self._call("LoadBack", req))
+
+    def wait_transfers(self, transfer_ids: Sequence[int], timeout_ms: int = 10_000) -> tuple[list[int], list[int]]:
+        """(completed, failed) among transfer_ids, after waiting up to timeout_ms for all of them."""
+        r = self._call("WaitTransfers", pb.WaitTransfersRequest(transfer_ids=list(transfer_ids),
+                                                                 timeout_ms=timeout_ms))
+        return list(r.completed), list(r.failed)
 
     def stats(self) -> dict[str, int]:
         return codec.stats_dict(self._call("GetStats", pb.GetStatsRequest()))

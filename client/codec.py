@@ -41,6 +41,23 @@ class Match:
     host_hit_len: int
     node_id: int
     receipt_id: int
+    best_node_id: int = 0
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """LoadBack result: the whole path's device slots, what was loaded, its receipt and transfer."""
+
+    indices: np.ndarray
+    loaded_len: int
+    receipt_id: int
+    transfer_id: int
+    reason: str
+
+
+def loaded(resp) -> list[Loaded]:
+    return [Loaded(slots_array(r.device_indices), r.loaded_len, r.receipt_id, r.transfer_id, r.reason)
+            for r in resp.results]
 
 
 @dataclass(frozen=True)
@@ -49,6 +66,7 @@ class Inserted:
     node_id: int
     freed_duplicates: int
     adopted: int
+    backup_transfer_ids: tuple = ()
 
 
 def match_request(session_id: str, keys: Sequence[Any], lock: bool, extra_key: str, cache_salt: str):
@@ -57,8 +75,8 @@ def match_request(session_id: str, keys: Sequence[Any], lock: bool, extra_key: s
 
 
 def matches(resp) -> list[Match]:
-    return [Match(slots_array(r.device_indices), r.matched_len, r.host_hit_len, r.node_id, r.receipt_id)
-            for r in resp.results]
+    return [Match(slots_array(r.device_indices), r.matched_len, r.host_hit_len, r.node_id, r.receipt_id,
+                  r.best_node_id) for r in resp.results]
 
 
 def insert_items(items: Iterable[dict], finished: bool) -> list:
@@ -75,7 +93,8 @@ def insert_items(items: Iterable[dict], finished: bool) -> list:
 
 
 def inserted(results) -> list[Inserted]:
-    return [Inserted(r.prefix_len, r.node_id, r.freed_duplicates, r.adopted) for r in results]
+    return [Inserted(r.prefix_len, r.node_id, r.freed_duplicates, r.adopted, tuple(r.backup_transfer_ids))
+            for r in results]
 
 
 def descriptor(msg) -> PoolDescriptor:
@@ -94,6 +113,7 @@ def stats_dict(msg) -> dict[str, int]:
 def info_dict(msg) -> dict[str, Any]:
     return dict(instance_id=msg.instance_id, page_size=msg.page_size, eviction_policy=msg.eviction_policy,
                 version=msg.version, capacity_tokens=msg.capacity_tokens, max_batch_tokens=msg.max_batch_tokens,
+                write_policy=msg.write_policy,
                 device_pools=[descriptor(p) for p in msg.device_pools],
                 host_pool=descriptor(msg.host_pool) if msg.HasField("host_pool") else None)
 

@@ -59,7 +59,7 @@ class PoolDescriptor(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., tier: _Optional[str] = ..., backend: _Optional[str] = ..., handle: _Optional[bytes] = ..., size_bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., page_size: _Optional[int] = ..., num_slots: _Optional[int] = ..., mla: _Optional[bool] = ..., layout: _Optional[str] = ..., buffers: _Optional[_Iterable[_Union[BufferDescriptor, _Mapping]]] = ..., gpu_uuid: _Optional[str] = ..., device_index: _Optional[int] = ..., pinned: _Optional[bool] = ...) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("instance_id", "page_size", "device_pools", "host_pool", "eviction_policy", "version", "capacity_tokens", "max_batch_tokens")
+    __slots__ = ("instance_id", "page_size", "device_pools", "host_pool", "eviction_policy", "version", "capacity_tokens", "max_batch_tokens", "write_policy")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_POOLS_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +68,7 @@ class ServerInfo(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WRITE_POLICY_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     page_size: int
     device_pools: _containers.RepeatedCompositeFieldContainer[PoolDescriptor]
@@ -76,7 +77,8 @@ class ServerInfo(_message.Message):
     version: str
     capacity_tokens: int
     max_batch_tokens: int
-    def __init__(self, instance_id: _Optional[str] = ..., page_size: _Optional[int] = ..., device_pools: _Optional[_Iterable[_Union[PoolDescriptor, _Mapping]]] = ..., host_pool: _Optional[_Union[PoolDescriptor, _Mapping]] = ..., eviction_policy: _Optional[str] = ..., version: _Optional[str] = ..., capacity_tokens: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ...) -> None: ...
+    write_policy: str
+    def __init__(self, instance_id: _Optional[str] = ..., page_size: _Optional[int] = ..., device_pools: _Optional[_Iterable[_Union[PoolDescriptor, _Mapping]]] = ..., host_pool: _Optional[_Union[PoolDescriptor, _Mapping]] = ..., eviction_policy: _Optional[str] = ..., version: _Optional[str] = ..., capacity_tokens: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., write_policy: _Optional[str] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
     __slots__ = ("client_name",)
@@ -85,14 +87,18 @@ class AttachRequest(_message.Message):
     def __init__(self, client_name: _Optional[str] = ...) -> None: ...
 
 class SessionEvent(_message.Message):
-    __slots__ = ("session_id", "instance_id", "message")
+    __slots__ = ("session_id", "instance_id", "message", "transfer_id", "transfer_ok")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_OK_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     instance_id: str
     message: str
-    def __init__(self, session_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+    transfer_id: int
+    transfer_ok: bool
+    def __init__(self, session_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., message: _Optional[str] = ..., transfer_id: _Optional[int] = ..., transfer_ok: _Optional[bool] = ...) -> None: ...
 
 class AllocRequest(_message.Message):
     __slots__ = ("session_id", "num_tokens")
@@ -155,16 +161,18 @@ class InsertRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[InsertItem, _Mapping]]] = ...) -> None: ...
 
 class InsertResult(_message.Message):
-    __slots__ = ("prefix_len", "node_id", "freed_duplicates", "adopted")
+    __slots__ = ("prefix_len", "node_id", "freed_duplicates", "adopted", "backup_transfer_ids")
     PREFIX_LEN_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     FREED_DUPLICATES_FIELD_NUMBER: _ClassVar[int]
     ADOPTED_FIELD_NUMBER: _ClassVar[int]
+    BACKUP_TRANSFER_IDS_FIELD_NUMBER: _ClassVar[int]
     prefix_len: int
     node_id: int
     freed_duplicates: int
     adopted: int
-    def __init__(self, prefix_len: _Optional[int] = ..., node_id: _Optional[int] = ..., freed_duplicates: _Optional[int] = ..., adopted: _Optional[int] = ...) -> None: ...
+    backup_transfer_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, prefix_len: _Optional[int] = ..., node_id: _Optional[int] = ..., freed_duplicates: _Optional[int] = ..., adopted: _Optional[int] = ..., backup_transfer_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class InsertResponse(_message.Message):
     __slots__ = ("results",)
@@ -193,18 +201,20 @@ class MatchRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[MatchItem, _Mapping]]] = ...) -> None: ...
 
 class MatchResult(_message.Message):
-    __slots__ = ("device_indices", "matched_len", "host_hit_len", "node_id", "receipt_id")
+    __slots__ = ("device_indices", "matched_len", "host_hit_len", "node_id", "receipt_id", "best_node_id")
     DEVICE_INDICES_FIELD_NUMBER: _ClassVar[int]
     MATCHED_LEN_FIELD_NUMBER: _ClassVar[int]
     HOST_HIT_LEN_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     RECEIPT_ID_FIELD_NUMBER: _ClassVar[int]
+    BEST_NODE_ID_FIELD_NUMBER: _ClassVar[int]
     device_indices: bytes
     matched_len: int
     host_hit_len: int
     node_id: int
     receipt_id: int
-    def __init__(self, device_indices: _Optional[bytes] = ..., matched_len: _Optional[int] = ..., host_hit_len: _Optional[int] = ..., node_id: _Optional[int] = ..., receipt_id: _Optional[int] = ...) -> None: ...
+    best_node_id: int
+    def __init__(self, device_indices: _Optional[bytes] = ..., matched_len: _Optional[int] = ..., host_hit_len: _Optional[int] = ..., node_id: _Optional[int] = ..., receipt_id: _Optional[int] = ..., best_node_id: _Optional[int] = ...) -> None: ...
 
 class MatchResponse(_message.Message):
     __slots__ = ("results",)
@@ -299,23 +309,81 @@ class CacheUnfinishedResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[UnfinishedResult, _Mapping]]] = ...) -> None: ...
 
 class EvictRequest(_message.Message):
-    __slots__ = ("num_tokens",)
+    __slots__ = ("num_tokens", "host_tokens")
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HOST_TOKENS_FIELD_NUMBER: _ClassVar[int]
     num_tokens: int
-    def __init__(self, num_tokens: _Optional[int] = ...) -> None: ...
+    host_tokens: int
+    def __init__(self, num_tokens: _Optional[int] = ..., host_tokens: _Optional[int] = ...) -> None: ...
 
 class EvictResponse(_message.Message):
-    __slots__ = ("evicted_tokens",)
+    __slots__ = ("evicted_tokens", "host_evicted_tokens")
     EVICTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HOST_EVICTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     evicted_tokens: int
-    def __init__(self, evicted_tokens: _Optional[int] = ...) -> None: ...
+    host_evicted_tokens: int
+    def __init__(self, evicted_tokens: _Optional[int] = ..., host_evicted_tokens: _Optional[int] = ...) -> None: ...
+
+class LoadBackItem(_message.Message):
+    __slots__ = ("receipt_id", "mem_quota")
+    RECEIPT_ID_FIELD_NUMBER: _ClassVar[int]
+    MEM_QUOTA_FIELD_NUMBER: _ClassVar[int]
+    receipt_id: int
+    mem_quota: int
+    def __init__(self, receipt_id: _Optional[int] = ..., mem_quota: _Optional[int] = ...) -> None: ...
+
+class LoadBackRequest(_message.Message):
+    __slots__ = ("session_id", "items")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    items: _containers.RepeatedCompositeFieldContainer[LoadBackItem]
+    def __init__(self, session_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[LoadBackItem, _Mapping]]] = ...) -> None: ...
+
+class LoadBackResult(_message.Message):
+    __slots__ = ("device_indices", "loaded_len", "receipt_id", "transfer_id", "ipc_event_handle", "reason")
+    DEVICE_INDICES_FIELD_NUMBER: _ClassVar[int]
+    LOADED_LEN_FIELD_NUMBER: _ClassVar[int]
+    RECEIPT_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    IPC_EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    device_indices: bytes
+    loaded_len: int
+    receipt_id: int
+    transfer_id: int
+    ipc_event_handle: bytes
+    reason: str
+    def __init__(self, device_indices: _Optional[bytes] = ..., loaded_len: _Optional[int] = ..., receipt_id: _Optional[int] = ..., transfer_id: _Optional[int] = ..., ipc_event_handle: _Optional[bytes] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class LoadBackResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[LoadBackResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[LoadBackResult, _Mapping]]] = ...) -> None: ...
+
+class WaitTransfersRequest(_message.Message):
+    __slots__ = ("transfer_ids", "timeout_ms")
+    TRANSFER_IDS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    transfer_ids: _containers.RepeatedScalarFieldContainer[int]
+    timeout_ms: int
+    def __init__(self, transfer_ids: _Optional[_Iterable[int]] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
+class WaitTransfersResponse(_message.Message):
+    __slots__ = ("completed", "failed")
+    COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    completed: _containers.RepeatedScalarFieldContainer[int]
+    failed: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, completed: _Optional[_Iterable[int]] = ..., failed: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("capacity_tokens", "free_tokens", "cached_tokens", "evictable_tokens", "protected_tokens", "held_tokens", "in_flight_tokens", "num_nodes", "sessions", "hit_tokens_total", "queried_tokens_total", "evicted_tokens_total", "host_capacity_tokens", "host_free_tokens", "host_cached_tokens", "receipts")
+    __slots__ = ("capacity_tokens", "free_tokens", "cached_tokens", "evictable_tokens", "protected_tokens", "held_tokens", "in_flight_tokens", "num_nodes", "sessions", "hit_tokens_total", "queried_tokens_total", "evicted_tokens_total", "host_capacity_tokens", "host_free_tokens", "host_cached_tokens", "receipts", "host_evictable_tokens", "host_protected_tokens", "host_in_flight_tokens", "host_hit_tokens_total", "backup_tokens_total", "load_back_tokens_total", "host_evicted_tokens_total", "transfers_in_flight", "transfer_failures_total")
     CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FREE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -332,6 +400,15 @@ class Stats(_message.Message):
     HOST_FREE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HOST_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RECEIPTS_FIELD_NUMBER: _ClassVar[int]
+    HOST_EVICTABLE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HOST_PROTECTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HOST_IN_FLIGHT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HOST_HIT_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    BACKUP_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    LOAD_BACK_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    HOST_EVICTED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    TRANSFERS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_FAILURES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     capacity_tokens: int
     free_tokens: int
     cached_tokens: int
@@ -348,7 +425,16 @@ class Stats(_message.Message):
     host_free_tokens: int
     host_cached_tokens: int
     receipts: int
-    def __init__(self, capacity_tokens: _Optional[int] = ..., free_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., evictable_tokens: _Optional[int] = ..., protected_tokens: _Optional[int] = ..., held_tokens: _Optional[int] = ..., in_flight_tokens: _Optional[int] = ..., num_nodes: _Optional[int] = ..., sessions: _Optional[int] = ..., hit_tokens_total: _Optional[int] = ..., queried_tokens_total: _Optional[int] = ..., evicted_tokens_total: _Optional[int] = ..., host_capacity_tokens: _Optional[int] = ..., host_free_tokens: _Optional[int] = ..., host_cached_tokens: _Optional[int] = ..., receipts: _Optional[int] = ...) -> None: ...
+    host_evictable_tokens: int
+    host_protected_tokens: int
+    host_in_flight_tokens: int
+    host_hit_tokens_total: int
+    backup_tokens_total: int
+    load_back_tokens_total: int
+    host_evicted_tokens_total: int
+    transfers_in_flight: int
+    transfer_failures_total: int
+    def __init__(self, capacity_tokens: _Optional[int] = ..., free_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., evictable_tokens: _Optional[int] = ..., protected_tokens: _Optional[int] = ..., held_tokens: _Optional[int] = ..., in_flight_tokens: _Optional[int] = ..., num_nodes: _Optional[int] = ..., sessions: _Optional[int] = ..., hit_tokens_total: _Optional[int] = ..., queried_tokens_total: _Optional[int] = ..., evicted_tokens_total: _Optional[int] = ..., host_capacity_tokens: _Optional[int] = ..., host_free_tokens: _Optional[int] = ..., host_cached_tokens: _Optional[int] = ..., receipts: _Optional[int] = ..., host_evictable_tokens: _Optional[int] = ..., host_protected_tokens: _Optional[int] = ..., host_in_flight_tokens: _Optional[int] = ..., host_hit_tokens_total: _Optional[int] = ..., backup_tokens_total: _Optional[int] = ..., load_back_tokens_total: _Optional[int] = ..., host_evicted_tokens_total: _Optional[int] = ..., transfers_in_flight: _Optional[int] = ..., transfer_failures_total: _Optional[int] = ...) -> None: ...
 
 class CheckInvariantsRequest(_message.Message):
     __slots__ = ()

@@ -104,6 +104,16 @@ class RadixCacheStub:
                 request_serializer=radixd_dot_proto_dot_cache__pb2.ResetRequest.SerializeToString,
                 response_deserializer=radixd_dot_proto_dot_cache__pb2.ResetResponse.FromString,
                 _registered_method=True)
+        self.LoadBack = channel.unary_unary(
+                '/radixd.v1.RadixCache/LoadBack',
+                request_serializer=radixd_dot_proto_dot_cache__pb2.LoadBackRequest.SerializeToString,
+                response_deserializer=radixd_dot_proto_dot_cache__pb2.LoadBackResponse.FromString,
+                _registered_method=True)
+        self.WaitTransfers = channel.unary_unary(
+                '/radixd.v1.RadixCache/WaitTransfers',
+                request_serializer=radixd_dot_proto_dot_cache__pb2.WaitTransfersRequest.SerializeToString,
+                response_deserializer=radixd_dot_proto_dot_cache__pb2.WaitTransfersResponse.FromString,
+                _registered_method=True)
         self.Echo = channel.unary_unary(
                 '/radixd.v1.RadixCache/Echo',
                 request_serializer=radixd_dot_proto_dot_cache__pb2.EchoRequest.SerializeToString,
@@ -198,6 +208,20 @@ class RadixCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadBack(self, request, context):
+        """Bring the host segment of each receipt's match back to device (all or nothing per item).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WaitTransfers(self, request, context):
+        """Which of these transfers are done (waits up to timeout_ms for all of them).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Echo(self, request, context):
         """Returns its payload unchanged: the floor that benchmarks compare against.
         """
@@ -277,6 +301,16 @@ def add_RadixCacheServicer_to_server(servicer, server):
                     servicer.Reset,
                     request_deserializer=radixd_dot_proto_dot_cache__pb2.ResetRequest.FromString,
                     response_serializer=radixd_dot_proto_dot_cache__pb2.ResetResponse.SerializeToString,
+            ),
+            'LoadBack': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadBack,
+                    request_deserializer=radixd_dot_proto_dot_cache__pb2.LoadBackRequest.FromString,
+                    response_serializer=radixd_dot_proto_dot_cache__pb2.LoadBackResponse.SerializeToString,
+            ),
+            'WaitTransfers': grpc.unary_unary_rpc_method_handler(
+                    servicer.WaitTransfers,
+                    request_deserializer=radixd_dot_proto_dot_cache__pb2.WaitTransfersRequest.FromString,
+                    response_serializer=radixd_dot_proto_dot_cache__pb2.WaitTransfersResponse.SerializeToString,
             ),
             'Echo': grpc.unary_unary_rpc_method_handler(
                     servicer.Echo,
@@ -662,6 +696,60 @@ class RadixCache:
             '/radixd.v1.RadixCache/Reset',
             radixd_dot_proto_dot_cache__pb2.ResetRequest.SerializeToString,
             radixd_dot_proto_dot_cache__pb2.ResetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadBack(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/radixd.v1.RadixCache/LoadBack',
+            radixd_dot_proto_dot_cache__pb2.LoadBackRequest.SerializeToString,
+            radixd_dot_proto_dot_cache__pb2.LoadBackResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WaitTransfers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/radixd.v1.RadixCache/WaitTransfers',
+            radixd_dot_proto_dot_cache__pb2.WaitTransfersRequest.SerializeToString,
+            radixd_dot_proto_dot_cache__pb2.WaitTransfersResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -15,7 +15,7 @@ from grpc_reflection.v1alpha import reflection
 
 from radixd.proto import cache_pb2, cache_pb2_grpc
 
-from .config import Config
+from .config import Config, host_slots_for
 from .core import CacheCore
 from .metrics import Metrics
 from .pools.allocator import SlotAllocator
@@ -24,6 +24,8 @@ from .pools.pool import KVPool
 from .pools.shm import cleanup_stale
 from .pools.spec import PoolSpec
 from .service import RadixCacheService, TokenAuth
+from .tiers import HostTier
+from .transfer.engine import TransferEngine
 from .tree import RadixTree
 
 log = logging.getLogger("radixd")
@@ -57,15 +59,26 @@ def build_core(cfg: Config, instance_id: str) -> CacheCore:
                     page_size=cfg.page_size, num_slots=cfg.num_slots, mla=cfg.mla)
     gpus = cfg.gpus if backend == "cuda" else [0]
     device_pools = [KVPool(spec, "device", instance_id, backend, device_index=g, index=i) for i, g in enumerate(gpus)]
-    host_pool = host_alloc = None
-    if cfg.host_slots:
-        host_pool = KVPool(spec.with_slots(cfg.host_slots, cfg.host_layout), "host", instance_id, "shm",
+    host_pool = host_alloc = host = None
+    host_slots = host_slots_for(cfg, spec.slot_bytes)
+    if host_slots and len(device_pools) > 1:
+        raise SystemExit("a host tier with more than one device pool (--gpus) is not supported yet")
+    if host_slots:
+        host_pool = KVPool(spec.with_slots(host_slots, cfg.host_layout), "host", instance_id, "shm",
                            pin=backend == "cuda")
-        host_alloc = SlotAllocator(cfg.host_slots, cfg.page_size)
+        host_alloc = SlotAllocator(host_slots, cfg.page_size)
     tag = zlib.crc32(instance_id.encode()) & 0xFFFF
-    tree = RadixTree(page_size=cfg.page_size, policy=cfg.eviction_policy, bigram=cfg.bigram, instance_tag=tag)
-    return CacheCore(tree, SlotAllocator(cfg.num_slots, cfg.page_size), instance_id, device_pools, host_pool,
-                     host_alloc, max_batch_tokens=cfg.num_slots)
+    tree = RadixTree(page_size=cfg.page_size, policy=cfg.eviction_policy, bigram=cfg.bigram, instance_tag=tag,
+                     write_policy=cfg.write_policy if host_slots else None,
+                     write_through_threshold=cfg.write_through_threshold,
+                     load_back_threshold=cfg.load_back_threshold)
+    alloc = SlotAllocator(cfg.num_slots, cfg.page_size)
+    if host_slots:
+        engine = TransferEngine()
+        engine.fail_next = int(os.environ.get("RADIXD_TEST_FAIL_COPIES", "0"))  # tests: the first N copies fail
+        host = HostTier(tree, alloc, device_pools[0], host_alloc, host_pool, engine)
+    return CacheCore(tree, alloc, instance_id, device_pools, host_pool, host_alloc, max_batch_tokens=cfg.num_slots,
+                     host=host)
 
 
 async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
@@ -137,6 +150,9 @@ async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
         stopping.set()
         await server.stop(cfg.grace_seconds)
     finally:
+        if core.host is not None:
+            await core.host.engine.drain()
+            core.host.engine.close()
         for p in core.device_pools + ([core.host_pool] if core.host_pool else []):
             p.close()
         for path in sockets:

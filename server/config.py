@@ -30,7 +30,12 @@ class Config:
     dtype: str = "float16"
     mla: bool = False
     host_slots: int = 0
+    host_mem: Optional[str] = None  # host pool size in bytes ("200GiB"); alternative to host_slots
+    host_ratio: float = 0.0  # host tokens = ratio x device tokens (SGLang's --hicache-ratio)
     host_layout: str = "page_first"
+    write_policy: str = "write_through"  # with a host pool: write_through | write_through_selective | write_back
+    write_through_threshold: Optional[int] = None  # default 1 (write_through) or 2 (selective)
+    load_back_threshold: int = 10
     bigram: bool = False
     metrics_addr: str = "127.0.0.1:0"
     token: Optional[str] = None
@@ -63,9 +68,40 @@ def _coerce(name: str, value: Any) -> Any:
         return value.lower() in ("1", "true", "yes", "on")
     if "int" in str(typ) and "Optional" not in str(typ):
         return int(value)
+    if name == "write_through_threshold":
+        return int(value)
     if "float" in str(typ):
         return float(value)
     return value
+
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2, "mib": 1 << 20,
+          "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30, "t": 1 << 40, "tb": 1000**4, "tib": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """'200GiB', '1.5g', '4096' -> bytes."""
+    t = text.strip().lower().replace(" ", "")
+    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = t[len(num):]
+    if not num or unit not in _UNITS:
+        raise ValueError(f"cannot read {text!r} as a size (e.g. 512MiB, 200GiB)")
+    return int(float(num) * _UNITS[unit])
+
+
+def host_slots_for(cfg: Config, slot_bytes: int) -> int:
+    """Host pool slots from --host-slots, --host-mem or --host-ratio (whole pages; 0 = no host tier)."""
+    given = [n for n, v in (("host_slots", cfg.host_slots), ("host_mem", cfg.host_mem), ("host_ratio", cfg.host_ratio))
+             if v]
+    if len(given) > 1:
+        raise ValueError(f"give one of --host-slots, --host-mem, --host-ratio (got {', '.join(given)})")
+    if cfg.host_mem:
+        slots = parse_bytes(cfg.host_mem) // slot_bytes
+    elif cfg.host_ratio:
+        slots = int(cfg.num_slots * cfg.host_ratio)
+    else:
+        slots = cfg.host_slots
+    return slots - slots % cfg.page_size
 
 
 def load(flags: dict[str, Any]) -> Config:

@@ -14,6 +14,7 @@ from .errors import BadRequest, Conflict, Denied, Exhausted, NotFound
 from .pools.allocator import FREE, HELD, TREE, SlotAllocator, SlotError
 from .pools.pool import KVPool
 from .sessions import Session, SessionTable
+from .tiers import HostTier, LoadBack
 from .tree import RadixTree
 from .tree.errors import ForeignHandle, InvalidInput, LocksHeld, StaleHandle, UnknownReceipt
 
@@ -30,6 +31,7 @@ class Item:
     prev_prefix_len: int = 0
     priority: int = 0
     receipt: int = 0
+    mem_quota: Optional[int] = None
 
 
 @dataclass
@@ -38,6 +40,7 @@ class InsertOutcome:
     node_id: int
     freed_duplicates: int
     adopted: int
+    backups: tuple[int, ...] = ()  # transfer ids of the backups this insert started
 
 
 def decode_tokens(raw: bytes, what: str = "tokens") -> np.ndarray:
@@ -77,18 +80,35 @@ class CacheCore:
 
     def __init__(self, tree: RadixTree, allocator: SlotAllocator, instance_id: str,
                  device_pools: Optional[list[KVPool]] = None, host_pool: Optional[KVPool] = None,
-                 host_allocator: Optional[SlotAllocator] = None, max_batch_tokens: int = 1 << 24):
+                 host_allocator: Optional[SlotAllocator] = None, max_batch_tokens: int = 1 << 24,
+                 host: Optional[HostTier] = None):
         self.tree = tree
+        self.host = host  # the host tier's executor; None when the tree is device-only
         self.alloc = allocator
         self.instance_id = instance_id
         self.device_pools = device_pools or []
         self.host_pool = host_pool
         self.host_alloc = host_allocator
         self.sessions = SessionTable()
+        if host is not None:
+            host.on_load_done = self._load_landed
+            host.engine.listeners.append(self._transfer_landed)
         self.max_batch_tokens = max_batch_tokens
-        self.in_flight = 0  # no transfers yet: the host tier's copies will count here
 
     # ------------------------------------------------------------ sessions
+    def _load_landed(self, op: int, session_id: str, ok: bool, orphaned: bool) -> None:
+        """A failed load-back's receipt never came to be: the session no longer owns it."""
+        if not ok and not orphaned:
+            s = self.sessions.find(session_id)
+            if s is not None:
+                self.sessions.take_receipt(s, op)
+
+    def _transfer_landed(self, t) -> None:
+        """Tell the session whose request the copy served, on its Attach stream."""
+        s = self.sessions.find(t.owner) if t.owner else None
+        if s is not None:
+            s.events.put_nowait(t)
+
     def session(self, session_id: str) -> Session:
         return self.sessions.get(session_id)
 
@@ -101,6 +121,8 @@ class CacheCore:
         for r in receipts:
             if self.tree.has_receipt(r):
                 self.tree.unlock(r)
+            elif self.host is not None and r in self.host.loads:
+                self.host.orphan(r)  # the copy still writes its slots: released when it lands
         held = self.alloc.held_by(s.owner)
         self.alloc.move(held, HELD, FREE, s.owner, check=False)
         self.sessions.remove(s)
@@ -108,7 +130,8 @@ class CacheCore:
 
     # ---------------------------------------------------------- allocation
     def _make_room(self, pages: int) -> int:
-        """Evict until `pages` are free; all or nothing up front (never evicts needlessly)."""
+        """Evict until `pages` are free; all or nothing up front (never evicts needlessly). Backed-up
+        leaves are demoted (their device slots come back at once); write-back waits elsewhere."""
         short = pages - self.alloc.free_pages()
         if short <= 0:
             return 0
@@ -125,15 +148,20 @@ class CacheCore:
             evicted += r.evicted_tokens
         return evicted
 
-    def alloc_slots(self, s: Session, sizes: list[int]) -> tuple[list[np.ndarray], int]:
-        """Whole pages for each size, held by the session; evicts unlocked leaves when short."""
+    async def alloc_slots(self, s: Session, sizes: list[int]) -> tuple[list[np.ndarray], int]:
+        """Whole pages for each size, held by the session; evicts unlocked leaves when short (and, under
+        write-back, waits for the write-backs that eviction needs)."""
         total = sum(sizes)
         if total > self.max_batch_tokens:
             raise BadRequest(f"batch asks for {total} tokens, more than the limit {self.max_batch_tokens}")
         pages = sum(self.alloc.pages_for(n) for n in sizes)
         if pages > self.alloc.capacity // self.alloc.page_size:
             raise Exhausted(f"batch needs {pages} pages, the pool has {self.alloc.capacity // self.alloc.page_size}")
-        evicted = self._make_room(pages)
+        if self.host is not None and self.tree.write_back:
+            evicted = await self.host.make_device_room(pages)
+            self.sessions.get(s.session_id)  # the session may have ended while we waited
+        else:
+            evicted = self._make_room(pages)
         return self.alloc.alloc_many(sizes, s.owner), evicted
 
     def free_slots(self, s: Session, slots: np.ndarray) -> int:
@@ -174,15 +202,18 @@ class CacheCore:
         if claimed:
             self._check_held(s, np.concatenate(claimed), "indices beyond prev_prefix_len")
 
-    def _insert_one(self, s: Session, it: Item) -> tuple[InsertOutcome, np.ndarray]:
-        r = self.tree.insert(it.tokens, it.indices, it.ns, it.prev_prefix_len, it.priority)
+    def _insert_one(self, s: Session, it: Item, chunked: bool = False) -> tuple[InsertOutcome, np.ndarray]:
+        r = self.tree.insert(it.tokens, it.indices, it.ns, it.prev_prefix_len, it.priority, chunked=chunked)
         if r.duplicates.size:
             self.alloc.move(r.duplicates.astype(np.int64), HELD, FREE, s.owner, check=False)
         if r.adopted_len:
             adopted = it.indices[r.prefix_len:r.prefix_len + r.adopted_len]
             self.alloc.move(adopted, HELD, TREE, s.owner, check=False)
+        started = ()
+        if r.backups:  # write-through: copies start now, the tree is told when each lands
+            started = tuple(t.id for t in self.host.run_backups(r.backups))
         tail = it.indices[r.prefix_len + r.adopted_len:]
-        return InsertOutcome(r.prefix_len, r.node_id, int(r.duplicates.size), r.adopted_len), tail
+        return InsertOutcome(r.prefix_len, r.node_id, int(r.duplicates.size), r.adopted_len, started), tail
 
     def insert(self, s: Session, items: list[Item]) -> list[InsertOutcome]:
         """Adopt held slots into the tree; duplicates are freed; the unaligned tail stays held."""
@@ -209,11 +240,11 @@ class CacheCore:
         self._check_receipts(s, [it.receipt for it in items if it.receipt])
         out = []
         for it in items:
-            res, _ = self._insert_one(s, it)
+            res, _ = self._insert_one(s, it, chunked=True)
             if it.receipt:
                 self._release(s, it.receipt)
             m = self.tree.match_prefix(it.tokens, it.ns)
-            receipt = self.tree.lock(m.node_id)
+            receipt = self.tree.lock(m.best_node_id)
             self.sessions.add_receipt(s, receipt)
             out.append((res, m, receipt))
         return out
@@ -230,8 +261,8 @@ class CacheCore:
             except InvalidInput as e:
                 raise BadRequest(str(e)) from None
             receipt = 0
-            if lock:
-                receipt = self.tree.lock(m.node_id)
+            if lock:  # protects the device prefix and the host extension, so a load-back finds both
+                receipt = self.tree.lock(m.best_node_id)
                 self.sessions.add_receipt(s, receipt)
             out.append((m, receipt))
         return out
@@ -254,6 +285,8 @@ class CacheCore:
             raise BadRequest("a receipt appears twice in one request")
         for r in receipts:
             self.sessions.take_receipt(s, r, check_only=True)
+            if self.tree.is_loading(r):
+                raise Conflict(f"receipt {r:#x} belongs to a load-back still in flight (WaitTransfers first)")
 
     def _release(self, s: Session, receipt: int) -> None:
         self.sessions.take_receipt(s, receipt)
@@ -264,18 +297,61 @@ class CacheCore:
         for r in receipts:
             self._release(s, r)
 
+    # ------------------------------------------------------------- load-back
+    async def load_back(self, s: Session, items: list[Item]) -> list[LoadBack]:
+        """Bring each receipt's host segment back to device; the new receipt replaces the old one."""
+        for i, it in enumerate(items):
+            if it.mem_quota is not None and it.mem_quota < 0:
+                raise BadRequest(f"item {i}: mem_quota {it.mem_quota} is negative")
+        self._check_receipts(s, [it.receipt for it in items])
+        if self.host is None:
+            raise Conflict("the host tier is off (start the server with --host-slots, --host-mem or --host-ratio)")
+        out = []
+        for it in items:
+            if it.receipt not in s.receipts:
+                raise NotFound(f"receipt {it.receipt:#x} was released while this batch waited")
+            lb = await self.host.load_back(s.session_id, self.tree.receipt_anchor(it.receipt), it.mem_quota)
+            if not self.sessions.alive(s):
+                if lb.receipt:
+                    self.host.orphan(lb.receipt)
+                raise NotFound("the session ended during the load-back")
+            if lb.receipt:
+                self.sessions.add_receipt(s, lb.receipt)
+                self._release(s, it.receipt)
+            else:  # refused or nothing to load: the device prefix, the same receipt
+                node = self.tree._nodes[self.tree.receipt_anchor(it.receipt)]
+                while node.value is None:
+                    node = node.parent
+                lb = LoadBack(self.tree.path_values(node).astype(np.int64), 0, it.receipt, None, lb.reason)
+            out.append(lb)
+        return out
+
     # ----------------------------------------------------------- whole cache
-    def evict(self, num_tokens: int) -> int:
-        r = self.tree.evict(num_tokens)
-        self.alloc.move(r.freed.astype(np.int64), TREE, FREE, check=False)
-        return r.evicted_tokens
+    async def evict(self, num_tokens: int, host_tokens: int = 0) -> tuple[int, int]:
+        """Evict device tokens (waiting for write-backs) and host tokens; returns both counts."""
+        if self.host is not None and self.tree.write_back and num_tokens:
+            target = self.alloc.free_pages() + self.alloc.pages_for(num_tokens)
+            try:
+                dev = await self.host.make_device_room(target)
+            except Exhausted:
+                dev = 0
+        else:
+            r = self.tree.evict(num_tokens)
+            self.alloc.move(r.freed.astype(np.int64), TREE, FREE, check=False)
+            dev = r.evicted_tokens
+        host = self.host.evict_host(host_tokens) if self.host is not None and host_tokens else 0
+        return dev, host
 
     def reset(self) -> int:
+        if self.host is not None and (self.host.loads or self.host.backups):
+            raise Conflict("cannot reset: transfers are in flight")
         try:
             freed = self.tree.reset()
         except LocksHeld as e:
             raise Conflict(f"cannot reset: {e}") from None
         self.alloc.move(freed.device.astype(np.int64), TREE, FREE, check=False)
+        if self.host_alloc is not None:
+            self.host_alloc.move(freed.host.astype(np.int64), TREE, FREE, check=False)
         return int(freed.device.size)
 
     def stats(self) -> dict[str, int]:
@@ -289,7 +365,14 @@ class CacheCore:
             evicted_tokens_total=t.counters.evicted_tokens_device, receipts=t.num_receipts,
             host_capacity_tokens=self.host_alloc.capacity if self.host_alloc else 0,
             host_free_tokens=self.host_alloc.counts[FREE] if self.host_alloc else 0,
-            host_cached_tokens=0,
+            host_cached_tokens=t.host_cached_tokens, host_evictable_tokens=t.host_evictable_size,
+            host_protected_tokens=t.host_protected_size,
+            host_in_flight_tokens=self.host_alloc.counts[3] if self.host_alloc else 0,
+            host_hit_tokens_total=t.counters.host_hit_tokens, backup_tokens_total=t.counters.backup_tokens,
+            load_back_tokens_total=t.counters.load_back_tokens,
+            host_evicted_tokens_total=t.counters.evicted_tokens_host,
+            transfers_in_flight=len(self.host.engine.active) if self.host else 0,
+            transfer_failures_total=self.host.failed_transfers if self.host else 0,
         )
         return out
 
@@ -309,8 +392,14 @@ class CacheCore:
         live = {s.owner for s in self.sessions}
         if held_owners - live:
             bad.append(f"slots held by ended sessions {sorted(held_owners - live)}")
-        if self.sessions.receipt_count != self.tree.num_receipts:
-            bad.append(f"sessions own {self.sessions.receipt_count} receipts, the tree has {self.tree.num_receipts}")
+        loading = 0
+        if self.host is not None:
+            bad += self.host.check()
+            loading = sum(1 for lo in self.host.loads.values() if not lo.orphaned)
+        if self.sessions.receipt_count != self.tree.num_receipts + loading:
+            bad.append(f"sessions own {self.sessions.receipt_count} receipts, the tree has {self.tree.num_receipts} "
+                       f"and {loading} load-backs are in flight")
+
         if sum(c) != self.alloc.capacity:
             bad.append("free + tree + held + in_flight != capacity")
         return bad

@@ -45,6 +45,21 @@ class CacheCollector:
         yield GaugeMetricFamily("radixd_tree_nodes", "Radix tree nodes", value=t.num_nodes)
         yield GaugeMetricFamily("radixd_sessions", "Attached client sessions", value=len(core.sessions))
         yield GaugeMetricFamily("radixd_active_receipts", "Lock receipts not yet released", value=t.num_receipts)
+        yield CounterMetricFamily("radixd_host_hit_tokens", "Tokens a MatchPrefix found on the host tier only",
+                                  value=t.counters.host_hit_tokens)
+        yield CounterMetricFamily("radixd_backup_tokens", "Tokens copied device -> host",
+                                  value=t.counters.backup_tokens)
+        yield CounterMetricFamily("radixd_load_back_tokens", "Tokens loaded host -> device",
+                                  value=t.counters.load_back_tokens)
+        hcached = GaugeMetricFamily("radixd_host_cached_tokens", "Host-tier tokens by lock state", labels=["state"])
+        hcached.add_metric(["evictable"], t.host_evictable_size)
+        hcached.add_metric(["protected"], t.host_protected_size)
+        yield hcached
+        if core.host is not None:
+            yield GaugeMetricFamily("radixd_transfers_in_flight", "Copies submitted and not yet landed",
+                                    value=len(core.host.engine.active))
+            yield CounterMetricFamily("radixd_transfer_failures", "Copies that failed and were rolled back",
+                                      value=core.host.failed_transfers)
 
 
 class Metrics:
@@ -58,8 +73,20 @@ class Metrics:
                                 registry=self.registry)
         self.errors = Counter("radixd_rpc_errors", "Failed RPCs by method and status code", ["method", "code"],
                               registry=self.registry)
+        self.transfer_bytes = Counter("radixd_transfer_bytes", "Bytes copied between tiers", ["direction"],
+                                      registry=self.registry)
+        self.transfer_seconds = Histogram("radixd_transfer_seconds", "Copy time per transfer", ["direction"],
+                                          buckets=BUCKETS, registry=self.registry)
         self.registry.register(CacheCollector(core))
         self.address = ""
+        if core.host is not None:
+            core.host.engine.listeners.append(self.observe_transfer)
+
+    def observe_transfer(self, t) -> None:
+        """Called on the event loop when a copy lands."""
+        if t.ok:
+            self.transfer_bytes.labels(t.direction).inc(t.nbytes)
+            self.transfer_seconds.labels(t.direction).observe(t.seconds)
 
     def observe(self, method: str, seconds: float, code: str) -> None:
         self.latency.labels(method).observe(seconds)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from functools import wraps
 
@@ -13,7 +14,7 @@ from radixd.proto import cache_pb2_grpc as pb_grpc
 
 from . import __version__
 from .core import CacheCore, Item, decode_slots, decode_tokens
-from .errors import ServiceError
+from .errors import Conflict, NotFound, ServiceError
 from .metrics import Metrics
 from .pools.allocator import SlotError
 from .tree.errors import TreeError
@@ -25,6 +26,11 @@ def _ns(item) -> tuple[str, str]:
 
 def _slots(arr: np.ndarray) -> bytes:
     return arr.astype("<i8", copy=False).tobytes()
+
+
+def _inserted(r) -> pb.InsertResult:
+    return pb.InsertResult(prefix_len=r.prefix_len, node_id=r.node_id, freed_duplicates=r.freed_duplicates,
+                           adopted=r.adopted, backup_transfer_ids=r.backups)
 
 
 def descriptor_msg(d) -> pb.PoolDescriptor:
@@ -39,11 +45,15 @@ def descriptor_msg(d) -> pb.PoolDescriptor:
 def unary(method):
     """Time the call, count it, and turn engine errors into statuses (the state is untouched)."""
     def deco(fn):
+        is_async = inspect.iscoroutinefunction(fn)
+
         @wraps(fn)
         async def handler(self, request, context):
             t0 = time.perf_counter()
             code = "OK"
             try:
+                if is_async:
+                    return await fn(self, request)
                 return fn(self, request)
             except ServiceError as e:
                 code = e.code.name
@@ -86,7 +96,7 @@ class RadixCacheService(pb_grpc.RadixCacheServicer):
         c = self.core
         info = pb.ServerInfo(instance_id=c.instance_id, page_size=c.alloc.page_size, eviction_policy=self.policy,
                              version=__version__, capacity_tokens=c.alloc.capacity,
-                             max_batch_tokens=c.max_batch_tokens,
+                             max_batch_tokens=c.max_batch_tokens, write_policy=c.tree.write_policy or "",
                              device_pools=[descriptor_msg(p.descriptor) for p in c.device_pools])
         if c.host_pool is not None:
             info.host_pool.CopyFrom(descriptor_msg(c.host_pool.descriptor))
@@ -95,19 +105,30 @@ class RadixCacheService(pb_grpc.RadixCacheServicer):
     async def Attach(self, request, context):
         session = self.core.attach(request.client_name or "anonymous")
         self.metrics.observe("Attach", 0.0, "OK")
+        sid, iid = session.session_id, self.core.instance_id
         try:
-            yield pb.SessionEvent(session_id=session.session_id, instance_id=self.core.instance_id,
-                                  message="attached")
-            await self.stopping.wait()
-            yield pb.SessionEvent(session_id=session.session_id, instance_id=self.core.instance_id,
-                                  message="server shutting down")
+            yield pb.SessionEvent(session_id=sid, instance_id=iid, message="attached")
+            stop = asyncio.ensure_future(self.stopping.wait())
+            try:
+                while True:
+                    got = asyncio.ensure_future(session.events.get())
+                    done, _ = await asyncio.wait({stop, got}, return_when=asyncio.FIRST_COMPLETED)
+                    if got not in done:
+                        got.cancel()
+                        break
+                    t = got.result()
+                    yield pb.SessionEvent(session_id=sid, instance_id=iid, message="transfer done",
+                                          transfer_id=t.id, transfer_ok=t.ok)
+            finally:
+                stop.cancel()
+            yield pb.SessionEvent(session_id=sid, instance_id=iid, message="server shutting down")
         finally:
             self.core.end_session(session)  # stream ended: client exit, crash, network or shutdown
 
     @unary("Alloc")
-    def Alloc(self, request):
+    async def Alloc(self, request):
         s = self.core.session(request.session_id)
-        allocations, evicted = self.core.alloc_slots(s, list(request.num_tokens))
+        allocations, evicted = await self.core.alloc_slots(s, list(request.num_tokens))
         return pb.AllocResponse(allocations=[pb.Slots(indices=_slots(a)) for a in allocations],
                                 evicted_tokens=evicted)
 
@@ -120,9 +141,7 @@ class RadixCacheService(pb_grpc.RadixCacheServicer):
     def Insert(self, request):
         s = self.core.session(request.session_id)
         res = self.core.insert(s, self._items(request.items, False))
-        return pb.InsertResponse(results=[pb.InsertResult(prefix_len=r.prefix_len, node_id=r.node_id,
-                                                          freed_duplicates=r.freed_duplicates, adopted=r.adopted)
-                                          for r in res])
+        return pb.InsertResponse(results=[_inserted(r) for r in res])
 
     @unary("MatchPrefix")
     def MatchPrefix(self, request):
@@ -131,7 +150,8 @@ class RadixCacheService(pb_grpc.RadixCacheServicer):
                  for i, it in enumerate(request.items)]
         return pb.MatchResponse(results=[
             pb.MatchResult(device_indices=_slots(m.indices), matched_len=m.matched_len, host_hit_len=m.host_hit_len,
-                           node_id=m.node_id, receipt_id=r) for m, r in self.core.match(s, items)])
+                           node_id=m.node_id, receipt_id=r, best_node_id=m.best_node_id)
+            for m, r in self.core.match(s, items)])
 
     @unary("Lock")
     def Lock(self, request):
@@ -148,9 +168,7 @@ class RadixCacheService(pb_grpc.RadixCacheServicer):
     def CacheFinished(self, request):
         s = self.core.session(request.session_id)
         res = self.core.cache_finished(s, self._items(request.items, True))
-        return pb.CacheFinishedResponse(results=[
-            pb.InsertResult(prefix_len=r.prefix_len, node_id=r.node_id, freed_duplicates=r.freed_duplicates,
-                            adopted=r.adopted) for r in res])
+        return pb.CacheFinishedResponse(results=[_inserted(r) for r in res])
 
     @unary("CacheUnfinished")
     def CacheUnfinished(self, request):
@@ -158,14 +176,36 @@ class RadixCacheService(pb_grpc.RadixCacheServicer):
         out = []
         for r, m, receipt in self.core.cache_unfinished(s, self._items(request.items, True)):
             out.append(pb.UnfinishedResult(
-                insert=pb.InsertResult(prefix_len=r.prefix_len, node_id=r.node_id,
-                                       freed_duplicates=r.freed_duplicates, adopted=r.adopted),
+                insert=_inserted(r),
                 device_indices=_slots(m.indices), matched_len=m.matched_len, node_id=m.node_id, receipt_id=receipt))
         return pb.CacheUnfinishedResponse(results=out)
 
     @unary("Evict")
-    def Evict(self, request):
-        return pb.EvictResponse(evicted_tokens=self.core.evict(request.num_tokens))
+    async def Evict(self, request):
+        dev, host = await self.core.evict(request.num_tokens, request.host_tokens)
+        return pb.EvictResponse(evicted_tokens=dev, host_evicted_tokens=host)
+
+    @unary("LoadBack")
+    async def LoadBack(self, request):
+        s = self.core.session(request.session_id)
+        items = [Item(np.zeros(0, np.int32), np.zeros(0, np.int64), ("", ""), receipt=it.receipt_id,
+                      mem_quota=it.mem_quota if it.HasField("mem_quota") else None) for it in request.items]
+        out = await self.core.load_back(s, items)
+        return pb.LoadBackResponse(results=[
+            pb.LoadBackResult(device_indices=_slots(r.indices), loaded_len=r.loaded_len, receipt_id=r.receipt,
+                              transfer_id=r.transfer.id if r.transfer else 0, reason=r.reason) for r in out])
+
+    @unary("WaitTransfers")
+    async def WaitTransfers(self, request):
+        host = self.core.host
+        ids = list(request.transfer_ids)
+        if host is None:
+            raise Conflict("the host tier is off: there are no transfers")
+        unknown = [i for i in ids if host.engine.get(i) is None]
+        if unknown:
+            raise NotFound(f"unknown transfer id {unknown[0]} (never issued, or finished long ago)")
+        done = await host.engine.wait(ids, request.timeout_ms / 1000.0 if request.timeout_ms else 0)
+        return pb.WaitTransfersResponse(completed=[t.id for t in done], failed=[t.id for t in done if not t.ok])
 
     @unary("GetStats")
     def GetStats(self, request):

@@ -1,9 +1,11 @@
 """Sessions: one per attached client stream; they own held slots and lock receipts."""
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Optional
 
 from .errors import Conflict, NotFound
 
@@ -17,6 +19,7 @@ class Session:
     client_name: str
     receipts: set[int] = field(default_factory=set)
     started: float = field(default_factory=time.time)
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)  # transfer completions for its stream
 
 
 class SessionTable:
@@ -39,6 +42,12 @@ class SessionTable:
             raise NotFound(f"unknown or ended session {session_id!r} (attach first; a restarted server "
                            "forgets every session)")
         return s
+
+    def find(self, session_id: str) -> Optional[Session]:
+        return self._by_id.get(session_id)
+
+    def alive(self, s: Session) -> bool:
+        return self._by_id.get(s.session_id) is s
 
     def remove(self, s: Session) -> None:
         self._by_id.pop(s.session_id, None)

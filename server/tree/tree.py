@@ -756,6 +756,21 @@ class RadixTree(TransferMixin):
         """Lock receipts not yet released."""
         return len(self._receipts)
 
+    def receipt_anchor(self, receipt: int) -> int:
+        """The node a live receipt was taken on (its host anchor when it protects a host segment)."""
+        r = self._receipts.get(receipt)
+        if r is None:
+            raise UnknownReceipt(f"receipt {receipt:#x} is unknown or already released")
+        return (r[1] or r[0]).id
+
+    def is_loading(self, op: int) -> bool:
+        """Whether a load-back op (the receipt it will become) is still planned or in flight."""
+        return op in self._loads
+
+    def pending_backups(self) -> set[int]:
+        """Acks of backups not yet finished or aborted."""
+        return set(self._backups)
+
     @property
     def num_transfers(self) -> int:
         """Backups and load-backs planned or in flight."""

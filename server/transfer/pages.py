@@ -1,0 +1,104 @@
+"""Whole-page copies between two CPU pools, one pass over the bytes, whatever the two layouts.
+
+Every pool is seen as `[pages, layers x kinds, chunk bytes]`: contiguous for `page_first`, strided for
+`layer_first` (its per-layer buffers are equally spaced in one allocation). A copy is split into runs of
+consecutive destination pages; each run is one gather straight into the destination (torch's
+`index_select(out=...)`, which reads strided sources in place), so no byte is copied twice.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from radixd.server.pools.pool import KVPool
+
+_MAX_CALLS = 256  # beyond this many gathers a fragmented copy goes through one temporary instead
+
+
+def chunk_view(pool: KVPool) -> np.ndarray:
+    """The pool as a uint8 array [pages, layers x kinds, page bytes of one buffer] (no copy)."""
+    spec = pool.spec
+    lk = spec.num_layers * len(spec.kinds)
+    chunk = spec.page_size * spec.kv_heads * spec.head_dim * spec.itemsize
+    if spec.layout == "page_first":
+        return pool.views["pages"].view(np.uint8).reshape(spec.num_pages, lk, chunk)
+    names = [f"{k}.{layer}" for layer in range(spec.num_layers) for k in spec.kinds]
+    addrs = [pool.views[n].__array_interface__["data"][0] for n in names]
+    stride = addrs[1] - addrs[0] if lk > 1 else chunk * spec.num_pages
+    if any(b - a != stride for a, b in zip(addrs, addrs[1:])):
+        raise ValueError("layer buffers are not equally spaced")  # the pool builder guarantees they are
+    base = pool.views[names[0]].view(np.uint8).reshape(-1)
+    return np.lib.stride_tricks.as_strided(base, shape=(spec.num_pages, lk, chunk), strides=(chunk, stride, 1))
+
+
+def _torch() -> Any:
+    try:
+        import torch
+        return torch
+    except ImportError:  # pragma: no cover - the README installs torch; numpy still works without it
+        return None
+
+
+class PageCopier:
+    """Copies whole pages from one pool to another; built once per (source, destination) pair."""
+
+    def __init__(self, src: KVPool, dst: KVPool):
+        if src.spec.kinds != dst.spec.kinds or src.spec.dtype != dst.spec.dtype or \
+                (src.spec.num_layers, src.spec.kv_heads, src.spec.head_dim, src.spec.page_size) != \
+                (dst.spec.num_layers, dst.spec.kv_heads, dst.spec.head_dim, dst.spec.page_size):
+            raise ValueError("pools differ in geometry or dtype")
+        self.page = src.spec.page_size
+        self.page_bytes = src.spec.slot_bytes * self.page
+        self._np_src, self._np_dst = chunk_view(src), chunk_view(dst)
+        self._dst_page_first = dst.spec.layout == "page_first"
+        self._t = _torch()
+        if self._t is not None:
+            self._src = self._t.from_numpy(self._np_src)
+            self._dst = self._t.from_numpy(self._np_dst)
+
+    def pages_of(self, slots: np.ndarray) -> np.ndarray:
+        """Page numbers of whole, in-order pages; raises if slots are not whole pages."""
+        slots = np.asarray(slots, dtype=np.int64)
+        p = self.page
+        if p == 1:
+            return slots
+        heads = slots[::p]
+        if slots.size % p or (heads % p).any() or not np.array_equal(
+                (heads[:, None] + np.arange(p)).reshape(-1), slots):
+            raise ValueError("a transfer must move whole pages in order")
+        return heads // p
+
+    def copy(self, src_slots: np.ndarray, dst_slots: np.ndarray) -> int:
+        """Copy every layer of src_slots' pages into dst_slots' pages; returns bytes moved."""
+        sp, dp = self.pages_of(src_slots), self.pages_of(dst_slots)
+        if sp.shape != dp.shape:
+            raise ValueError("source and destination page counts differ")
+        if sp.size == 0:
+            return 0
+        breaks = np.flatnonzero(np.diff(dp) != 1) + 1
+        starts = np.concatenate([[0], breaks]).tolist()
+        ends = np.concatenate([breaks, [dp.size]]).tolist()
+        lk = self._np_src.shape[1]
+        calls = len(starts) * (1 if self._dst_page_first else lk)
+        if self._t is None:
+            self._np_dst[dp] = self._np_src[sp]
+        elif calls > _MAX_CALLS:
+            t = self._t
+            self._dst.index_copy_(0, t.from_numpy(dp), self._src.index_select(0, t.from_numpy(sp)))
+        else:
+            self._runs(sp, dp, starts, ends, lk)
+        return int(sp.size) * self.page_bytes
+
+    def _runs(self, sp: np.ndarray, dp: np.ndarray, starts: list[int], ends: list[int], lk: int) -> None:
+        t = self._t
+        idx_all = t.from_numpy(sp)
+        for a, b in zip(starts, ends):
+            idx = idx_all[a:b]
+            d0 = int(dp[a])
+            n = b - a
+            if self._dst_page_first:
+                t.index_select(self._src, 0, idx, out=self._dst[d0:d0 + n])
+            else:
+                for j in range(lk):
+                    t.index_select(self._src[:, j], 0, idx, out=self._dst[d0:d0 + n, j])
