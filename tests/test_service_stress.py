@@ -24,9 +24,11 @@ def spawn(target: str, seed: int, seconds: float) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True, env=env)
 
 
-@pytest.fixture
-def busy_server():
-    s = ServerProc("--num-slots", "2048", "--page-size", "1")
+@pytest.fixture(params=["device-only", "write_through", "write_back"])
+def busy_server(request):
+    host = [] if request.param == "device-only" else ["--host-slots", "4096", "--write-policy", request.param,
+                                                        "--load-back-threshold", "1"]
+    s = ServerProc("--num-slots", "2048", "--page-size", "1", *host)
     yield s
     s.stop()
 
@@ -39,13 +41,15 @@ def test_eight_concurrent_clients_keep_invariants(busy_server):
         assert out.split()[-2] == "ops" and int(out.split()[-1]) > 0
     with CacheClient(busy_server.target) as c:
         deadline = time.monotonic() + 2
-        while c.stats()["sessions"] != 1 and time.monotonic() < deadline:
+        while (c.stats()["sessions"] != 1 or c.stats()["in_flight_tokens"]) and time.monotonic() < deadline:
             time.sleep(0.01)
         s = c.stats()
-        assert s["sessions"] == 1 and s["held_tokens"] == 0 and s["receipts"] == 0
+        assert s["sessions"] == 1 and s["held_tokens"] == 0 and s["receipts"] == 0 and s["in_flight_tokens"] == 0
         assert s["free_tokens"] + s["cached_tokens"] == s["capacity_tokens"]
         assert c.check() == []
         assert s["cached_tokens"] > 0 and s["hit_tokens_total"] > 0
+        if c.info()["write_policy"]:  # the host tier was exercised: demotions, host hits and load-backs
+            assert s["backup_tokens_total"] > 0 and s["host_hit_tokens_total"] > 0 and s["load_back_tokens_total"] > 0
 
 
 def test_sigkilled_clients_lose_locks_and_slots_within_a_second(busy_server):
@@ -69,12 +73,13 @@ def test_sigkilled_clients_lose_locks_and_slots_within_a_second(busy_server):
             kills += len(batch)
             while True:
                 s = obs.stats()
-                if s["sessions"] == 1 and s["held_tokens"] == 0 and s["receipts"] == 0:
+                if s["sessions"] == 1 and s["held_tokens"] == 0 and s["receipts"] == 0 and not s["in_flight_tokens"]:
                     break
                 assert time.monotonic() - killed_at < 1.0, f"not released within 1 s: {s}"
                 time.sleep(0.005)
             slowest = max(slowest, time.monotonic() - killed_at)
             assert s["free_tokens"] + s["cached_tokens"] == s["capacity_tokens"]
+            assert obs.check() == []
         assert obs.check() == []
     assert kills >= 100
     print(f"{kills} kills, slowest release {slowest * 1000:.0f} ms")

@@ -6,7 +6,7 @@ import time
 
 import numpy as np
 
-from radixd.client import CacheClient, RadixdError, ResourceExhausted
+from radixd.client import CacheClient, FailedPrecondition, RadixdError, ResourceExhausted
 
 
 def random_workload(target: str, seed: int, seconds: float, announce: bool = False) -> int:
@@ -19,9 +19,10 @@ def random_workload(target: str, seed: int, seconds: float, announce: bool = Fal
             print("attached", flush=True)
         held: list[np.ndarray] = []
         receipts: list[int] = []
+        loading: dict[int, tuple[int, ...]] = {}
         end = time.monotonic() + seconds
         while time.monotonic() < end:
-            op = rng.integers(7)
+            op = rng.integers(8)
             toks = np.concatenate([prompts[rng.integers(4)][:rng.integers(8, 64)],
                                    rng.integers(0, 1000, rng.integers(0, 32), dtype=np.int32)])
             try:
@@ -33,7 +34,12 @@ def random_workload(target: str, seed: int, seconds: float, announce: bool = Fal
                     m = c.match_prefix(toks, lock=True)
                     receipts.append(m.receipt_id)
                 elif op == 3 and receipts:
-                    c.unlock([receipts.pop(int(rng.integers(len(receipts))))])
+                    r = receipts.pop(int(rng.integers(len(receipts))))
+                    try:
+                        c.unlock([r])
+                    except FailedPrecondition:  # a load-back still copying: wait for it, then release
+                        c.wait_transfers(list(loading.pop(r, ())))
+                        c.unlock([r])
                 elif op == 4:
                     m = c.match_prefix(toks, lock=True)
                     new = c.alloc(len(toks) - m.matched_len)
@@ -44,6 +50,15 @@ def random_workload(target: str, seed: int, seconds: float, announce: bool = Fal
                 elif op == 6:
                     new = c.alloc(len(toks))
                     c.insert(toks, new)
+                elif op == 7:  # host tier: bring a demoted prefix back (kills land mid-copy too)
+                    m = c.match_prefix(toks, lock=True)
+                    if m.host_hit_len:
+                        lb = c.load_back(m.receipt_id)
+                        receipts.append(lb.receipt_id)
+                        if lb.transfer_id:
+                            loading[lb.receipt_id] = (lb.transfer_id,)
+                    else:
+                        receipts.append(m.receipt_id)
             except ResourceExhausted:
                 if held:
                     c.free(held.pop())
