@@ -52,6 +52,7 @@ class PageCopier:
         self.page_bytes = src.spec.slot_bytes * self.page
         self._np_src, self._np_dst = chunk_view(src), chunk_view(dst)
         self._dst_page_first = dst.spec.layout == "page_first"
+        self._src_rows_contiguous = src.spec.layout == "layer_first"
         self._t = _torch()
         if self._t is not None:
             self._src = self._t.from_numpy(self._np_src)
@@ -99,6 +100,9 @@ class PageCopier:
             n = b - a
             if self._dst_page_first:
                 t.index_select(self._src, 0, idx, out=self._dst[d0:d0 + n])
+            elif self._src_rows_contiguous:  # both sides contiguous per buffer: numpy's take is a row memcpy
+                for j in range(lk):
+                    np.take(self._np_src[:, j], sp[a:b], axis=0, out=self._np_dst[d0:d0 + n, j], mode="clip")
             else:
                 for j in range(lk):
                     t.index_select(self._src[:, j], 0, idx, out=self._dst[d0:d0 + n, j])
