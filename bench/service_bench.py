@@ -1,5 +1,10 @@
 """Service benchmark: MatchPrefix in-process vs through the gRPC service (unbatched, batched 8/64,
-concurrent clients) against an Echo RPC carrying the same payload (the floor), all in one run.
+concurrent clients) against two floors, all in one run:
+
+* "bare floor": a bare grpc.aio server on uvloop over a unix socket, no protobuf and no interceptors, that
+  answers each request with as many bytes as radixd's MatchPrefix response; the client sends the same
+  request bytes. Timed interleaved with MatchPrefix, call by call: the ratio an outsider would measure.
+* "echo (floor)": radixd's own Echo RPC with the tokens as payload.
 
     python bench/service_bench.py [--requests 2000] [--clients 4] [--seconds 3]
 """
@@ -57,15 +62,70 @@ def concurrent_worker(target: str, seconds: float) -> None:
     print(n)
 
 
+def floor_server(sock: str) -> None:
+    """A bare grpc.aio server: raw bytes in, `n` zero bytes out (n = first 4 bytes, little-endian)."""
+    import asyncio
+
+    import grpc
+
+    async def call(request: bytes, context) -> bytes:
+        return bytes(int.from_bytes(request[:4], "little"))
+
+    async def run() -> None:
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+            "bench.Floor", {"Call": grpc.unary_unary_rpc_method_handler(call)})])
+        server.add_insecure_port(f"unix:{sock}")
+        await server.start()
+        print("ready", flush=True)
+        await server.wait_for_termination()
+    try:
+        import uvloop
+        uvloop.run(run())
+    except ImportError:
+        asyncio.run(run())
+
+
+def interleaved(c: CacheClient, floor_sock: str, reqs: list) -> tuple[list, list]:
+    """Per request: the bare floor with radixd's exact request bytes and response size, then MatchPrefix."""
+    import grpc
+
+    from radixd.client import codec
+    ch = grpc.insecure_channel(f"unix://{floor_sock}")
+    call = ch.unary_unary("/bench.Floor/Call")
+    wire = []
+    for r in reqs:
+        req = codec.match_request(c.session_id, [r], False, "", "")
+        resp = c._stub.MatchPrefix(req)
+        wire.append(len(resp.SerializeToString()).to_bytes(4, "little") + req.SerializeToString())
+    for w in wire[:200]:
+        call(w)
+    floor, match = [], []
+    for r, w in zip(reqs, wire):
+        t0 = time.perf_counter()
+        call(w)
+        t1 = time.perf_counter()
+        c.match_batch([r])
+        t2 = time.perf_counter()
+        floor.append(t1 - t0)
+        match.append(t2 - t1)
+    ch.close()
+    return floor, match
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--floor-server", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         concurrent_worker(args.worker, args.seconds)
+        return
+    if args.floor_server:
+        floor_server(args.floor_server)
         return
     seqs, prompts = workload(200)
     total = sum(map(len, seqs))
@@ -75,8 +135,12 @@ def main() -> None:
                                "--device", "cpu", "--num-slots", str(total + 4096), "--layers", "1", "--kv-heads", "1",
                                "--head-dim", "8", "--metrics-addr", "127.0.0.1:0"],
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    floor_sock = os.path.join(d, "floor.sock")
+    floor = subprocess.Popen([sys.executable, __file__, "--floor-server", floor_sock], stdout=subprocess.PIPE,
+                             text=True)
     try:
         assert "ready" in server.stdout.readline()
+        assert "ready" in floor.stdout.readline()
         target = f"unix://{sock}"
         tree = RadixTree()
         with CacheClient(target) as c:
@@ -92,6 +156,7 @@ def main() -> None:
                 c.echo(packed[0])
                 c.match_prefix(reqs[0])
             rows = {}
+            rows["bare floor"], rows["MatchPrefix vs bare"] = interleaved(c, floor_sock, reqs)
             rows["in-process tree"] = timed(lambda ch: tree.match_prefix(ch[0]), packed)
             rows["echo (floor)"] = timed(lambda ch: c._stub.Echo(pb.EchoRequest(payload=ch[0])), packed)
             rows["MatchPrefix x1"] = timed(lambda ch: c.match_batch(ch), reqs)
@@ -103,6 +168,8 @@ def main() -> None:
     finally:
         server.terminate()
         server.wait(10)
+        floor.terminate()
+        floor.wait(10)
     base = np.median(rows["in-process tree"])
     echo50 = pct(rows["echo (floor)"])[0]
     print(f"{'per request':22} {'p50 us':>9} {'p99 us':>9} {'x echo p50':>11} {'x in-process':>13}")
@@ -112,7 +179,9 @@ def main() -> None:
     print(f"{args.clients} concurrent clients, unbatched MatchPrefix: {done / args.seconds:.0f} requests/s in total")
     m1 = pct(rows["MatchPrefix x1"])[0] / echo50
     b64 = np.median(rows["MatchPrefix x64"]) / base
-    print(f"RESULT match_vs_echo_p50={m1:.2f} (goal <= 1.25) batched64_vs_inprocess={b64:.2f} (goal <= 2)")
+    bare = pct(rows["MatchPrefix vs bare"])[0] / pct(rows["bare floor"])[0]
+    print(f"RESULT match_vs_bare_p50={bare:.2f} (goal <= 1.25) match_vs_echo_p50={m1:.2f} "
+          f"batched64_vs_inprocess={b64:.2f} (goal <= 2)")
 
 
 if __name__ == "__main__":

@@ -77,6 +77,7 @@ class Metrics:
                                       registry=self.registry)
         self.transfer_seconds = Histogram("radixd_transfer_seconds", "Copy time per transfer", ["direction"],
                                           buckets=BUCKETS, registry=self.registry)
+        self._children: dict[tuple[str, str], tuple] = {}
         self.registry.register(CacheCollector(core))
         self.address = ""
         if core.host is not None:
@@ -89,10 +90,16 @@ class Metrics:
             self.transfer_seconds.labels(t.direction).observe(t.seconds)
 
     def observe(self, method: str, seconds: float, code: str) -> None:
-        self.latency.labels(method).observe(seconds)
-        self.requests.labels(method, code).inc()
-        if code != "OK":
-            self.errors.labels(method, code).inc()
+        """One finished RPC; the labelled children are looked up once per (method, code), not per call."""
+        key = (method, code)
+        children = self._children.get(key)
+        if children is None:
+            children = self._children[key] = (self.latency.labels(method), self.requests.labels(method, code),
+                                              self.errors.labels(method, code) if code != "OK" else None)
+        children[0].observe(seconds)
+        children[1].inc()
+        if children[2] is not None:
+            children[2].inc()
 
     def serve(self, host: str, port: int) -> str:
         """Start the HTTP endpoint; port 0 picks a free one. Returns host:port."""
