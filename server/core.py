@@ -157,7 +157,7 @@ class CacheCore:
         pages = sum(self.alloc.pages_for(n) for n in sizes)
         if pages > self.alloc.capacity // self.alloc.page_size:
             raise Exhausted(f"batch needs {pages} pages, the pool has {self.alloc.capacity // self.alloc.page_size}")
-        if self.host is not None and self.tree.write_back:
+        if self.host is not None:
             evicted = await self.host.make_device_room(pages)
             self.sessions.get(s.session_id)  # the session may have ended while we waited
         else:

@@ -133,7 +133,13 @@ class HostTier:
 
     # ------------------------------------------------------------ device room
     async def make_device_room(self, pages: int) -> int:
-        """Evict until `pages` device pages are free, waiting for write-backs; returns tokens evicted."""
+        """Evict until `pages` device pages are free, waiting for backups and write-backs in flight (their
+        nodes are protected until the copy lands); all or nothing up front. Returns tokens evicted."""
+        short = pages - self.dev_alloc.free_pages()
+        pending = sum(t.tokens for t, _ in self.backups.values())
+        if short > 0 and short * self.page > self.tree.evictable_size + pending:
+            raise Exhausted(f"need {pages} free pages, {self.dev_alloc.free_pages()} free and only "
+                            f"{self.tree.evictable_size} evictable tokens ({pending} more being backed up)")
         evicted = 0
         while self.dev_alloc.free_pages() < pages:
             want = (pages - self.dev_alloc.free_pages()) * self.page
@@ -141,11 +147,13 @@ class HostTier:
             self._free(self.dev_alloc, r.freed)
             evicted += r.evicted_tokens
             started = self.run_backups(r.write_backs) if r.write_backs else []
-            if started:
+            waiting = [t.id for t in started] or ([t.id for t, _ in self.backups.values()]
+                                                  if not r.evicted_tokens else [])
+            if waiting:
                 before = self.dev_alloc.free_pages()
-                await self.engine.wait([t.id for t in started], timeout=None)
+                await self.engine.wait(waiting, timeout=None)
                 evicted += (self.dev_alloc.free_pages() - before) * self.page
-            elif not r.evicted_tokens and not r.write_backs:
+            elif not r.evicted_tokens:
                 raise Exhausted(f"need {pages} free pages, {self.dev_alloc.free_pages()} free and nothing "
                                 "left to evict")
         return evicted
