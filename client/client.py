@@ -79,6 +79,12 @@ class CacheClient(_Base):
         self.session_id, self.instance_id = first.session_id, first.instance_id
         return self.session_id
 
+    def transfer_events(self):
+        """Completions of this session's transfers as (transfer_id, ok), read from the session stream."""
+        for ev in self._stream:
+            if ev.transfer_id:
+                yield ev.transfer_id, ev.transfer_ok
+
     def reconnect(self) -> str:
         """Drop the old session (if any) and attach a new one, e.g. after ServerRestarted."""
         if self._stream is not None:

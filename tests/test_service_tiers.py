@@ -209,3 +209,46 @@ def test_bad_input_for_new_rpcs_changes_nothing():
             conserved(a)
     finally:
         srv.stop()
+
+
+def _load_and_die(target, tokens, q):
+    with CacheClient(target, name="dies") as c:
+        m = c.match_prefix(tokens, lock=True)
+        lb = c.load_back(m.receipt_id)
+        q.put(lb.loaded_len)
+        q.close()
+        q.join_thread()  # the answer is out of the process before it dies
+        os._exit(0)  # no unlock, no wait: the copy may still be running when the session ends
+
+
+def test_transfer_completions_reach_the_attach_stream_and_dead_sessions_leak_nothing():
+    import threading
+    import time
+    srv = _server(16, "layer_first", "write_through", 256, 1024)
+    try:
+        with CacheClient(srv.target) as c:
+            toks = np.arange(1, 129, dtype=np.int32)
+            ins = c.cache_finished([dict(tokens=toks, indices=c.alloc(128))])[0]
+            c.wait_transfers(ins.backup_transfer_ids)
+            c.evict(128)
+            m = c.match_prefix(toks, lock=True)
+            lb = c.load_back(m.receipt_id)
+            got = []
+            reader = threading.Thread(target=lambda: got.append(next(c.transfer_events())), daemon=True)
+            reader.start()
+            reader.join(30)
+            assert got == [(lb.transfer_id, True)]
+            c.unlock([lb.receipt_id])
+            c.evict(128)
+            assert _in_process(_load_and_die, srv.target, toks) == 128
+            deadline = time.monotonic() + 5
+            while True:  # the dead session's receipt goes once its copy has landed
+                s = c.stats()
+                if s["sessions"] == 1 and s["receipts"] == 0 and s["in_flight_tokens"] == 0:
+                    break
+                assert time.monotonic() < deadline, s
+                time.sleep(0.01)
+            s = conserved(c)
+            assert s["cached_tokens"] == 128 and s["protected_tokens"] == 0 and s["held_tokens"] == 0
+    finally:
+        srv.stop()
