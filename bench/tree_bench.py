@@ -5,7 +5,7 @@ different interpreter (SGLang usually lives in its own venv: --sglang-python /pa
 Workloads: synthetic multi-turn conversations (page 1 and 16) and replays of ../shared/traces/*.jsonl.
 
     python bench/tree_bench.py [--sglang-python PY] [--conversations 1000] [--trace-requests 500]
-                               [--write-policy write_through|write_through_selective|write_back]
+                               [--write-policy write_through|write_through_selective|write_back] [--events]
 
 With --write-policy the host tier is on: every backup the tree asks for is committed and finished inline
 (no data is copied), so the numbers show the tree's own cost of the second tier.
@@ -100,9 +100,13 @@ def workloads(args):
 
 # ------------------------------------------------------------------ adapters
 class RadixdImpl:
-    def __init__(self, page: int, write_policy: str | None = None):
+    def __init__(self, page: int, write_policy: str | None = None, events: bool = False):
         from radixd.server.tree import RadixTree
-        self.t = RadixTree(page_size=page, write_policy=write_policy) if write_policy else RadixTree(page_size=page)
+        kw = {"write_policy": write_policy} if write_policy else {}
+        if events:
+            kw["events"] = True
+        self.t = RadixTree(page_size=page, **kw)
+        self.drain = self.t.take_events if events else (lambda: None)
         self.host_slot = 0
 
     def prep(self, toks, start):
@@ -115,6 +119,7 @@ class RadixdImpl:
         r = self.t.insert(k, v)
         for a in getattr(r, "backups", ()):  # host tier on: what the engine does, minus the copy itself
             self._backup(a)
+        self.drain()
 
     def _backup(self, a) -> int:
         self.t.commit_backup(a.ack, np.arange(self.host_slot, self.host_slot + a.tokens, dtype=np.int32))
@@ -129,7 +134,9 @@ class RadixdImpl:
 
     def evict(self, n):
         r = self.t.evict(n)
-        return r.evicted_tokens + sum(self._backup(a) for a in getattr(r, "write_backs", ()))
+        n = r.evicted_tokens + sum(self._backup(a) for a in getattr(r, "write_backs", ()))
+        self.drain()
+        return n
 
     def cached(self):
         return self.t.cached_tokens
@@ -218,7 +225,7 @@ def run_worker(impl_name: str, only: str, args) -> dict:
         if wname != only:
             continue
         ops = make()
-        impl = RadixdImpl(page, args.write_policy) if impl_name == "radixd" else SGLangImpl(page)
+        impl = RadixdImpl(page, args.write_policy, args.events) if impl_name == "radixd" else SGLangImpl(page)
         times = {"insert": [], "match_cont": [], "match_new": [], "lock_unlock": [], "evict": []}
         nodes = []
         slot = 0
@@ -284,6 +291,7 @@ def main() -> None:
     ap.add_argument("--trace-requests", type=int, default=500)
     ap.add_argument("--write-policy", choices=["write_through", "write_through_selective", "write_back"],
                     help="run radixd with the host tier on (backups committed and finished inline, no copies)")
+    ap.add_argument("--events", action="store_true", help="radixd with KV events on (drained after each op)")
     ap.add_argument("--worker", choices=["radixd", "sglang"], help=argparse.SUPPRESS)
     ap.add_argument("--workload", help=argparse.SUPPRESS)
     ap.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
@@ -298,6 +306,8 @@ def main() -> None:
     base = [__file__, "--conversations", str(args.conversations), "--trace-requests", str(args.trace_requests)]
     if args.write_policy:
         base += ["--write-policy", args.write_policy]
+    if args.events:
+        base += ["--events"]
     results: dict[str, dict] = {}
     for impl, py in (("radixd", sys.executable), ("sglang", find_sglang_python(args.sglang_python))):
         if py is None:

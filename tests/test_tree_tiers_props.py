@@ -110,3 +110,18 @@ def test_seeded_long_fuzz(policy, page):
     c = d.tree.counters
     assert c.demoted_tokens and c.load_back_tokens and c.backup_tokens and c.evicted_tokens_host
     assert c.host_hit_tokens and c.hit_tokens
+
+
+@pytest.mark.parametrize("policy", WRITE_POLICIES)
+@pytest.mark.parametrize("page", [1, 4])
+def test_events_rebuild_exactly_what_the_tree_caches(policy, page):
+    """KV events, applied by a follower, give the tree's pages per medium after every step."""
+    rng = random.Random(zlib.crc32(f"events/{policy}/{page}".encode()))
+    d = Driver(page, policy, seed=rng.randrange(2**32), host_capacity=24 * page, events=True)
+    prompts = [[rng.randrange(5) for _ in range(rng.randrange(2, 8) * page)] for _ in range(10)]
+    for step in range(3000):
+        d.step(_sample(rng, prompts, page), rng.choice(NAMESPACES))
+        if step % 400 == 399:
+            d.drain()
+            d.follower.check(d.tree)
+    assert sum(d.follower.media["GPU"].values()) > 0 and d.tree.counters.demoted_tokens > 0

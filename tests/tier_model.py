@@ -134,13 +134,57 @@ class TierModel:
         assert bad == [], bad
 
 
+class EventFollower:
+    """What a router knows from the events alone: a multiset of block hashes per medium."""
+
+    def __init__(self):
+        from collections import Counter
+        self.media = {"GPU": Counter(), "CPU_PINNED": Counter()}
+        self.batches = 0
+
+    def apply(self, events) -> None:
+        from radixd.server.tree.events import AllBlocksCleared, BlockRemoved, BlockStored
+        for ev in events:
+            if isinstance(ev, BlockStored):
+                assert len(ev.token_ids) == len(ev.block_hashes) * ev.block_size
+                self.media[ev.medium].update(ev.block_hashes)
+            elif isinstance(ev, BlockRemoved):
+                self.media[ev.medium].subtract(ev.block_hashes)
+            else:
+                assert isinstance(ev, AllBlocksCleared)
+                for c in self.media.values():
+                    c.clear()
+
+    def check(self, tree: RadixTree) -> None:
+        """The blocks rebuilt from events equal the tree's cached pages per medium, exactly."""
+        from collections import Counter
+
+        from radixd.server.tree.hashes import block_hashes
+        events, lost = tree.take_events()
+        assert lost == 0
+        self.apply(events)
+        want = {"GPU": Counter(), "CPU_PINNED": Counter()}
+        for nd in tree.iter_nodes():
+            if nd.parent is None:
+                continue
+            hs = block_hashes(tree._digests(nd))
+            if nd.value is not None:
+                want["GPU"].update(hs)
+            if nd.host_value is not None and not nd.pending:
+                want["CPU_PINNED"].update(hs)
+        for medium, got in self.media.items():
+            assert +got == want[medium], f"{medium}: events say {sum((+got).values())} pages, tree has " \
+                                         f"{sum(want[medium].values())}"
+
+
 class Driver:
     """Runs random operations on a tree and the model; every assertion compares the two."""
 
     def __init__(self, page: int, write_policy: Optional[str], seed: int, host_capacity: int = 48,
-                 load_back_threshold: int = 0, policy: str = "lru"):
+                 load_back_threshold: int = 0, policy: str = "lru", events: bool = False):
         self.tree = RadixTree(page_size=page, policy=policy, instance_tag=5, write_policy=write_policy,
-                              load_back_threshold=load_back_threshold)
+                              load_back_threshold=load_back_threshold, events=events)
+        self.follower = EventFollower() if events else None
         self.m = TierModel(page, write_policy, host_capacity)
         self.rng = random.Random(seed)
         self.page = page
@@ -397,7 +441,8 @@ class Driver:
         """One random operation, then the full comparison."""
         m, rng = self.m, self.rng
         op = rng.choice(["insert"] * 4 + ["match"] * 4 + ["unlock", "evict", "evict", "evict_host", "finish_backup",
-                                                         "finish_backup", "finish_load", "abort"])
+                                                         "finish_backup", "finish_load", "abort"]
+                        + (["reset"] if rng.random() < 0.01 else []))
         if op == "insert":
             self.insert(tokens, ns, chunked=rng.random() < 0.15)
         elif op == "match":
@@ -420,7 +465,13 @@ class Driver:
                 self.abort_load(rng.choice(sorted(m.loads)))
             elif m.backups:
                 self.abort_backup(max(m.backups))  # the newest copy is the one that can fail alone
+        elif op == "reset" and not m.receipts and not m.backups and not m.loads:
+            self.tree.reset()
+            m.dev.clear()
+            m.host.clear()
         m.invariants(self.tree)
+        if self.follower is not None:
+            self.follower.check(self.tree)
 
     def drain(self) -> None:
         """Finish every transfer and release every receipt, checking after each."""

@@ -13,7 +13,7 @@ class Node:
 
     __slots__ = (
         "id", "parent", "children", "key", "value", "host_value", "lock_ref", "host_lock_ref",
-        "last_access", "created", "hit_count", "priority", "dver", "hver", "ns", "pending", "loading",
+        "last_access", "created", "hit_count", "priority", "dver", "hver", "ns", "pending", "loading", "hashes",
     )
 
     def __init__(self, node_id: int, parent: Optional["Node"], key: bytes, value: Optional[bytes],
@@ -35,6 +35,7 @@ class Node:
         self.ns = ns
         self.pending = 0  # ack id of the device->host backup covering this node (0: none)
         self.loading = 0  # id of the load-back that will make this node device-resident (0: none)
+        self.hashes: Optional[bytes] = None  # page digests (32 bytes each), computed when events need them
 
     @property
     def num_tokens(self) -> int:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Optional
 import numpy as np
 
 from .errors import InvalidInput, StateConflict, UnknownReceipt
+from .events import CPU, GPU
 from .node import Node
 from .results import _EMPTY, BackupAction, FreedSlots, LoadBackPlan, _slots
 
@@ -92,6 +93,8 @@ class TransferMixin:
         for nd in op.nodes:
             nd.pending = 0
             self._hunlock(nd)
+            if self._ev is not None:
+                self._stored(nd, CPU)  # the backup is acknowledged: the pages are on host now
         self._dunlock(op.nodes[-1])
         freed: list[bytes] = []
         if op.write_back:
@@ -154,6 +157,11 @@ class TransferMixin:
         dev: list[bytes] = []
         host: list[bytes] = []
         for nd in reversed(sub):  # children before parents
+            if self._ev is not None:
+                if nd.host_value is not None:
+                    self._removed(nd, CPU)
+                if nd.value is not None:
+                    self._removed(nd, GPU)
             if nd.value is not None:
                 dev.append(nd.value)
                 self.evictable_size -= len(nd.value) >> 2
@@ -191,6 +199,8 @@ class TransferMixin:
         self.evictable_size -= size
         self.counters.evicted_tokens_device += size
         self.counters.demoted_tokens += size
+        if self._ev is not None:
+            self._removed(node, GPU)
         if self._is_hleaf(node):
             self._add_hleaf(node)
         parent = node.parent
@@ -290,6 +300,8 @@ class TransferMixin:
             nd.loading = 0
             self.evictable_size += size >> 2
             self._drop_hleaf(nd)
+            if self._ev is not None:
+                self._stored(nd, GPU)
             if self.write_back:
                 self._coexist.add(nd)
         self.counters.load_back_tokens += off >> 2

@@ -36,6 +36,8 @@ import numpy as np
 
 from .errors import ForeignHandle, InFlight, InvalidInput, LocksHeld, StaleHandle, UnknownReceipt
 from .node import Node
+from . import hashes as _hashes
+from .events import CPU, GPU, AllBlocksCleared, BlockRemoved, BlockStored, Event, EventQueue
 from .policies import DEFAULT_SLRU_THRESHOLD, policy_key
 from .results import _EMPTY, BackupAction, EvictResult, FreedSlots, InsertResult, MatchResult, TreeCounters, _slots
 from .transfers import BackupOp, LoadOp, TransferMixin
@@ -75,7 +77,8 @@ class RadixTree(TransferMixin):
 
     def __init__(self, page_size: int = 1, policy: str = "lru", bigram: bool = False, instance_tag: int = 0,
                  write_policy: Optional[str] = None, write_through_threshold: Optional[int] = None,
-                 load_back_threshold: int = 10, slru_threshold: int = DEFAULT_SLRU_THRESHOLD):
+                 load_back_threshold: int = 10, slru_threshold: int = DEFAULT_SLRU_THRESHOLD,
+                 events: bool = False, events_limit: int = 1 << 20):
         if page_size < 1:
             raise ValueError("page_size must be >= 1")
         if not 0 <= instance_tag < (1 << 16):
@@ -120,7 +123,47 @@ class RadixTree(TransferMixin):
         self.host_evictable_size = 0
         self.host_protected_size = 0
         self.counters = TreeCounters()
+        self._ev: Optional[EventQueue] = EventQueue(events_limit) if events else None
+        self._seeds: dict[Namespace, Optional[bytes]] = {}
         self._root(DEFAULT_NS)
+
+    # ---------------------------------------------------------------- events
+    def _digests(self, node: Node) -> bytes:
+        """Page digests of a node, computing any missing ones along its path (hashes.py, frozen)."""
+        if node.hashes is not None:
+            return node.hashes
+        missing = []
+        w = node
+        while w.parent is not None and w.hashes is None:
+            missing.append(w)
+            w = w.parent
+        if w.parent is None:
+            prior = self._seeds.get(w.ns, b"")
+            if prior == b"":
+                prior = self._seeds[w.ns] = _hashes.salt_seed(w.ns[1])
+        else:
+            prior = w.hashes[-32:]
+        for nd in reversed(missing):
+            nd.hashes = _hashes.chain(nd.key, self._page_b, prior, self.bigram)
+            prior = nd.hashes[-32:]
+        return node.hashes
+
+    def _stored(self, node: Node, medium: str) -> None:
+        d = self._digests(node)
+        parent = node.parent
+        prev = _hashes.block_hash(self._digests(parent)[-32:]) if parent.parent is not None else None
+        toks = np.frombuffer(node.key, self._kdt)
+        if self.bigram:
+            toks = toks >> 32
+        self._ev.push(BlockStored(_hashes.block_hashes(d), prev, toks.tolist(), self.page_size, medium,
+                                  node.ns[1] or None))
+
+    def _removed(self, node: Node, medium: str) -> None:
+        self._ev.push(BlockRemoved(_hashes.block_hashes(self._digests(node)), medium))
+
+    def take_events(self) -> tuple[list[Event], int]:
+        """Events since the last call, in order, and how many the bound dropped (0 normally)."""
+        return self._ev.take() if self._ev is not None else ([], 0)
 
     # ---------------------------------------------------------------- helpers
     _as_int32 = staticmethod(as_int32)
@@ -334,6 +377,9 @@ class RadixTree(TransferMixin):
             nodes = self._backups[child.pending].nodes
             nodes.insert(nodes.index(child), upper)
         upper.loading = child.loading
+        if child.hashes is not None:
+            cut = (m // self._page_b) * 32
+            upper.hashes, child.hashes = child.hashes[:cut], child.hashes[cut:]
         if child in self._coexist:
             self._coexist.add(upper)
         parent.children[child.key[:self._page_b]] = upper
@@ -489,6 +535,8 @@ class RadixTree(TransferMixin):
                 if self._through and thr <= 1:
                     want_backup = leaf
             self._add_leaf(leaf)
+            if self._ev is not None:
+                self._stored(leaf, GPU)
             node = leaf
             off = n
         adopted = (off - dev_end) // isz
@@ -507,6 +555,8 @@ class RadixTree(TransferMixin):
         if self.write_back:
             self._coexist.add(node)
         self._add_leaf(node)  # no device child yet; a deeper unevict or leaf drops it again
+        if self._ev is not None:
+            self._stored(node, GPU)
 
     # ---------------------------------------------------------------- locks
     def lock(self, node_id: int) -> int:
@@ -598,6 +648,8 @@ class RadixTree(TransferMixin):
             self.evictable_size -= size
             self.counters.evicted_tokens_device += size
             self._coexist.discard(node)
+            if self._ev is not None:
+                self._removed(node, GPU)
             self._tombstone(parent)
         if len(heap) > 2 * len(leaves) + 1024:
             self._heap = self._rebuild(leaves, "dver")
@@ -607,12 +659,14 @@ class RadixTree(TransferMixin):
         """The host tier is off: delete leaves, nothing else to decide (the hot loop kept minimal)."""
         freed: list[bytes] = []
         count = 0
-        heap, leaves, nodes, pb = self._heap, self._leaves, self._nodes, self._page_b
+        heap, leaves, nodes, pb, ev = self._heap, self._leaves, self._nodes, self._page_b, self._ev
         pop = heapq.heappop
         while count < num_tokens and heap:
             _, _, ver, node = pop(heap)
             if ver != node.dver or node not in leaves:
                 continue
+            if ev is not None:
+                self._removed(node, GPU)
             leaves.discard(node)
             parent = node.parent
             del parent.children[node.key[:pb]]
@@ -648,6 +702,8 @@ class RadixTree(TransferMixin):
                     break
                 freed.append(nd.host_value)
                 count += len(nd.host_value) >> 2
+                if self._ev is not None:
+                    self._removed(nd, CPU)
                 self._set_host(nd, None)
                 self._coexist.discard(nd)
             self.counters.reclaimed_host_tokens += count
@@ -661,6 +717,8 @@ class RadixTree(TransferMixin):
             freed.append(value)
             count += len(value) >> 2
             self.counters.evicted_tokens_host += len(value) >> 2
+            if self._ev is not None:
+                self._removed(node, CPU)
             self._set_host(node, None)
             parent = node.parent
             self._unlink(node)
@@ -705,6 +763,8 @@ class RadixTree(TransferMixin):
         self.evictable_size = self.protected_size = 0
         self.host_evictable_size = self.host_protected_size = 0
         self._root(DEFAULT_NS)
+        if self._ev is not None:
+            self._ev.push(AllBlocksCleared())
         return freed
 
     # --------------------------------------------------------------- queries

@@ -1,0 +1,71 @@
+"""Page hashes: the one frozen scheme that KV events (and, later, L3 storage keys) name pages by.
+
+FROZEN. External routers and stores depend on these bytes; never change them, add a new scheme instead.
+
+* A page's tokens are hashed as unsigned 32-bit little-endian integers, in order. A bigram (EAGLE) key
+  position (t[i], t[i+1]) contributes t[i] then t[i+1].
+* digest(page) = SHA-256(prior || page bytes), where prior is the 32-byte digest of the previous page
+  of the same path (the parent node's last page for a node's first page), or the chain's seed.
+* Seeds (SPEC-tiers R6.2): the default namespace has none (prior is empty). A namespace with a
+  cache_salt starts from SHA-256(b"sglang-cache-salt-v1\\x00" || utf-8 salt); extra_key never enters
+  the event chain (a LoRA or other extra key with no salt hashes like the default namespace).
+* A block hash, as events report it, is the first 8 bytes of the digest read big-endian as a signed
+  64-bit integer (the first 16 hex digits of the hex digest, as SGLang's `hash_str_to_int64`).
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Optional
+
+import numpy as np
+
+SALT_SEED_PREFIX = b"sglang-cache-salt-v1\x00"
+
+
+def salt_seed(cache_salt: str) -> Optional[bytes]:
+    """The chain seed of a namespace: None without a cache_salt."""
+    if not cache_salt:
+        return None
+    return hashlib.sha256(SALT_SEED_PREFIX + cache_salt.encode()).digest()
+
+
+def page_bytes(key: bytes, bigram: bool) -> bytes:
+    """Tree key bytes (int32 LE, or packed int64 bigrams) -> the u32 LE token bytes that are hashed."""
+    if not bigram:
+        return key  # the tree already stores int32 little-endian: the hashed bytes as they are
+    pairs = np.frombuffer(key, dtype="<i8")
+    out = np.empty((pairs.size, 2), dtype="<u4")
+    out[:, 0] = (pairs >> 32) & 0xFFFFFFFF
+    out[:, 1] = pairs & 0xFFFFFFFF
+    return out.tobytes()
+
+
+def chain(key: bytes, page_nbytes: int, prior: Optional[bytes], bigram: bool = False) -> bytes:
+    """Digests of every page of `key` (concatenated, 32 bytes each), continuing from `prior`."""
+    data = page_bytes(key, bigram)
+    step = page_nbytes  # a bigram position is 8 key bytes and 8 hashed bytes alike
+    out = bytearray()
+    sha = hashlib.sha256
+    for off in range(0, len(data), step):
+        prior = sha((prior or b"") + data[off:off + step]).digest()
+        out += prior
+    return bytes(out)
+
+
+def block_hash(digest: bytes) -> int:
+    """The signed 64-bit block hash events carry for one page digest."""
+    return int.from_bytes(digest[:8], "big", signed=True)
+
+
+def block_hashes(digests: bytes) -> list[int]:
+    """Block hashes of concatenated 32-byte digests, in order."""
+    if not digests:
+        return []
+    return np.frombuffer(digests, dtype=">i8").reshape(-1, 4)[:, 0].tolist()
+
+
+def token_block_hashes(tokens, page_size: int, cache_salt: str = "") -> list[int]:
+    """Block hashes of the whole pages of a token sequence, as a router computes them to look pages up."""
+    arr = np.asarray(tokens, dtype="<u4")
+    n = arr.size - arr.size % page_size
+    return block_hashes(chain(arr[:n].tobytes(), page_size * 4, salt_seed(cache_salt)))

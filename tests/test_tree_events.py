@@ -1,0 +1,104 @@
+"""KV events of the tree: the frozen page-hash chain (known answers), emission points, coalescing."""
+import hashlib
+import struct
+
+import numpy as np
+
+from radixd.server.tree import RadixTree
+from radixd.server.tree.events import AllBlocksCleared, BlockRemoved, BlockStored, EventQueue
+from radixd.server.tree.hashes import token_block_hashes
+
+
+def _ref_block_hashes(tokens, page, salt=""):
+    """The scheme written out independently: hex digests, first 16 hex digits, two's complement."""
+    prior = hashlib.sha256(b"sglang-cache-salt-v1\x00" + salt.encode()).digest() if salt else b""
+    out = []
+    for i in range(0, len(tokens) - len(tokens) % page, page):
+        h = hashlib.sha256(prior + b"".join(struct.pack("<I", t) for t in tokens[i:i + page]))
+        prior = h.digest()
+        v = int(h.hexdigest()[:16], 16)
+        out.append(v - (1 << 64) if v >= 1 << 63 else v)
+    return out
+
+
+def test_known_answers_for_the_page_hash_chain():
+    toks = [1, 2, 3, 4, 70000, 5]
+    assert token_block_hashes(toks, 2) == _ref_block_hashes(toks, 2)
+    assert token_block_hashes(toks, 2, "s") == _ref_block_hashes(toks, 2, "s") != _ref_block_hashes(toks, 2)
+    # pinned values: a change of scheme must fail here, not silently in a router
+    assert token_block_hashes([1, 2, 3, 4], 2) == [3817746824117602890, -4216701448867210342]
+    assert token_block_hashes([1, 2], 2, cache_salt="tenant-a") == [31502315585564397]
+
+
+def _events(t):
+    evs, lost = t.take_events()
+    assert lost == 0
+    return evs
+
+
+def test_emission_points_media_and_coalescing():
+    t = RadixTree(page_size=2, write_policy="write_through", events=True)
+    r = t.insert([1, 2, 3, 4], [10, 11, 12, 13])
+    (ev,) = _events(t)
+    assert isinstance(ev, BlockStored) and ev.medium == "GPU" and ev.parent_block_hash is None
+    assert ev.block_hashes == token_block_hashes([1, 2, 3, 4], 2) and ev.token_ids == [1, 2, 3, 4]
+    t.match_prefix([1, 2])  # a split emits nothing
+    assert _events(t) == []
+    for a in r.backups:
+        t.commit_backup(a.ack, np.arange(100, 100 + a.tokens))
+    assert _events(t) == []  # not acknowledged yet
+    for a in r.backups:
+        t.finish_backup(a.ack)
+    (ev,) = _events(t)  # the two fragments' stores coalesce: the chain continues
+    assert ev.medium == "CPU_PINNED" and ev.block_hashes == token_block_hashes([1, 2, 3, 4], 2)
+    t.evict(4)
+    (ev,) = _events(t)  # two demotions, one merged remove
+    assert isinstance(ev, BlockRemoved) and ev.medium == "GPU" and sorted(ev.block_hashes) == sorted(
+        token_block_hashes([1, 2, 3, 4], 2))
+    t.evict_host(4)
+    (ev,) = _events(t)
+    assert isinstance(ev, BlockRemoved) and ev.medium == "CPU_PINNED"
+    for a in t.insert([5, 6], [1, 2]).backups:
+        t.commit_backup(a.ack, [7, 8])
+        t.finish_backup(a.ack)
+    t.reset()
+    assert isinstance(_events(t)[-1], AllBlocksCleared)
+
+
+def test_namespaced_chain_uses_the_salt_and_ignores_extra_key():
+    t = RadixTree(page_size=2, events=True)
+    t.insert([1, 2, 3, 4], [1, 2, 3, 4], namespace=("lora-x", ""))
+    t.insert([1, 2, 3, 4], [5, 6, 7, 8], namespace=("lora-x", "tenant-a"))
+    a, b = _events(t)
+    assert a.block_hashes == token_block_hashes([1, 2, 3, 4], 2) and a.cache_salt is None
+    assert b.block_hashes == token_block_hashes([1, 2, 3, 4], 2, "tenant-a") and b.cache_salt == "tenant-a"
+
+
+def test_child_events_chain_to_the_parent_block():
+    t = RadixTree(page_size=1, events=True)
+    t.insert([1, 2], [1, 2])
+    (first,) = _events(t)
+    t.insert([1, 2, 3], [1, 2, 3])
+    (second,) = _events(t)
+    assert second.parent_block_hash == first.block_hashes[-1]
+    t.insert([1, 2, 4], [1, 2, 4])
+    t.insert([1, 2, 4, 5], [1, 2, 4, 5])
+    (both,) = _events(t)  # queued together, the second continues the first's chain: one event
+    assert both.block_hashes == token_block_hashes([1, 2, 4, 5], 1)[2:]
+
+
+def test_queue_merges_only_compatible_neighbours_and_is_bounded():
+    q = EventQueue(limit=2)
+    q.push(BlockStored([1], None, [0], 1, "GPU"))
+    q.push(BlockStored([2], 1, [0], 1, "GPU"))  # continues the chain: merged
+    q.push(BlockStored([9], 5, [0], 1, "GPU"))  # does not: new event
+    q.push(BlockRemoved([3], "GPU"))  # over the bound: dropped and counted
+    evs, lost = q.take()
+    assert [e.block_hashes for e in evs] == [[1, 2], [9]] and lost == 1
+
+
+def test_events_off_computes_nothing():
+    t = RadixTree(page_size=1)
+    t.insert([1, 2, 3], [1, 2, 3])
+    assert t.take_events() == ([], 0)
+    assert all(n.hashes is None for n in t.iter_nodes())
