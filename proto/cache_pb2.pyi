@@ -469,3 +469,67 @@ class EchoResponse(_message.Message):
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     payload: bytes
     def __init__(self, payload: _Optional[bytes] = ...) -> None: ...
+
+class WatchEventsRequest(_message.Message):
+    __slots__ = ("from_seq", "follow")
+    FROM_SEQ_FIELD_NUMBER: _ClassVar[int]
+    FOLLOW_FIELD_NUMBER: _ClassVar[int]
+    from_seq: int
+    follow: bool
+    def __init__(self, from_seq: _Optional[int] = ..., follow: _Optional[bool] = ...) -> None: ...
+
+class BlockStoredEvent(_message.Message):
+    __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "medium", "cache_salt")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    parent_block_hash: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_size: int
+    medium: str
+    cache_salt: str
+    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., parent_block_hash: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., medium: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+
+class BlockRemovedEvent(_message.Message):
+    __slots__ = ("block_hashes", "medium")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    medium: str
+    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., medium: _Optional[str] = ...) -> None: ...
+
+class AllBlocksClearedEvent(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KvEvent(_message.Message):
+    __slots__ = ("stored", "removed", "cleared")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    CLEARED_FIELD_NUMBER: _ClassVar[int]
+    stored: BlockStoredEvent
+    removed: BlockRemovedEvent
+    cleared: AllBlocksClearedEvent
+    def __init__(self, stored: _Optional[_Union[BlockStoredEvent, _Mapping]] = ..., removed: _Optional[_Union[BlockRemovedEvent, _Mapping]] = ..., cleared: _Optional[_Union[AllBlocksClearedEvent, _Mapping]] = ...) -> None: ...
+
+class EventBatch(_message.Message):
+    __slots__ = ("seq", "ts", "events", "gap", "lost", "first_seq", "message")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    TS_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    GAP_FIELD_NUMBER: _ClassVar[int]
+    LOST_FIELD_NUMBER: _ClassVar[int]
+    FIRST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    ts: float
+    events: _containers.RepeatedCompositeFieldContainer[KvEvent]
+    gap: bool
+    lost: bool
+    first_seq: int
+    message: str
+    def __init__(self, seq: _Optional[int] = ..., ts: _Optional[float] = ..., events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ..., gap: _Optional[bool] = ..., lost: _Optional[bool] = ..., first_seq: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...

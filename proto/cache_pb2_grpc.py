@@ -114,6 +114,11 @@ class RadixCacheStub:
                 request_serializer=radixd_dot_proto_dot_cache__pb2.WaitTransfersRequest.SerializeToString,
                 response_deserializer=radixd_dot_proto_dot_cache__pb2.WaitTransfersResponse.FromString,
                 _registered_method=True)
+        self.WatchEvents = channel.unary_stream(
+                '/radixd.v1.RadixCache/WatchEvents',
+                request_serializer=radixd_dot_proto_dot_cache__pb2.WatchEventsRequest.SerializeToString,
+                response_deserializer=radixd_dot_proto_dot_cache__pb2.EventBatch.FromString,
+                _registered_method=True)
         self.Echo = channel.unary_unary(
                 '/radixd.v1.RadixCache/Echo',
                 request_serializer=radixd_dot_proto_dot_cache__pb2.EchoRequest.SerializeToString,
@@ -222,6 +227,13 @@ class RadixCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchEvents(self, request, context):
+        """KV events (BlockStored / BlockRemoved / AllBlocksCleared) as sequenced batches, with replay.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Echo(self, request, context):
         """Returns its payload unchanged: the floor that benchmarks compare against.
         """
@@ -311,6 +323,11 @@ def add_RadixCacheServicer_to_server(servicer, server):
                     servicer.WaitTransfers,
                     request_deserializer=radixd_dot_proto_dot_cache__pb2.WaitTransfersRequest.FromString,
                     response_serializer=radixd_dot_proto_dot_cache__pb2.WaitTransfersResponse.SerializeToString,
+            ),
+            'WatchEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchEvents,
+                    request_deserializer=radixd_dot_proto_dot_cache__pb2.WatchEventsRequest.FromString,
+                    response_serializer=radixd_dot_proto_dot_cache__pb2.EventBatch.SerializeToString,
             ),
             'Echo': grpc.unary_unary_rpc_method_handler(
                     servicer.Echo,
@@ -750,6 +767,33 @@ class RadixCache:
             '/radixd.v1.RadixCache/WaitTransfers',
             radixd_dot_proto_dot_cache__pb2.WaitTransfersRequest.SerializeToString,
             radixd_dot_proto_dot_cache__pb2.WaitTransfersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/radixd.v1.RadixCache/WatchEvents',
+            radixd_dot_proto_dot_cache__pb2.WatchEventsRequest.SerializeToString,
+            radixd_dot_proto_dot_cache__pb2.EventBatch.FromString,
             options,
             channel_credentials,
             insecure,

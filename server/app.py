@@ -16,6 +16,7 @@ from grpc_reflection.v1alpha import reflection
 from radixd.proto import cache_pb2, cache_pb2_grpc
 
 from .config import Config, host_slots_for
+from .events import EventHub
 from .core import CacheCore
 from .metrics import Metrics
 from .pools.allocator import SlotAllocator
@@ -71,7 +72,8 @@ def build_core(cfg: Config, instance_id: str) -> CacheCore:
     tree = RadixTree(page_size=cfg.page_size, policy=cfg.eviction_policy, bigram=cfg.bigram, instance_tag=tag,
                      write_policy=cfg.write_policy if host_slots else None,
                      write_through_threshold=cfg.write_through_threshold,
-                     load_back_threshold=cfg.load_back_threshold)
+                     load_back_threshold=cfg.load_back_threshold,
+                     events=bool(cfg.kv_events or cfg.kv_events_endpoint or cfg.kv_events_replay_endpoint))
     alloc = SlotAllocator(cfg.num_slots, cfg.page_size)
     if host_slots:
         engine = TransferEngine()
@@ -89,6 +91,11 @@ async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
     instance_id = uuid.uuid4().hex
     core = build_core(cfg, instance_id)
     metrics = Metrics(core)
+    if core.tree._ev is not None:
+        core.attach_events(EventHub(core.tree.take_events, cfg.kv_events_buffer, cfg.kv_events_endpoint,
+                                    cfg.kv_events_replay_endpoint, cfg.kv_events_topic,
+                                    cfg.kv_events_watcher_queue))
+        await core.events.start()
     stopping = asyncio.Event()
     msg_limit = max(64 << 20, cfg.num_slots * 16 + (1 << 20))
     options = [("grpc.max_receive_message_length", msg_limit), ("grpc.max_send_message_length", msg_limit),
@@ -153,6 +160,8 @@ async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
         if core.host is not None:
             await core.host.engine.drain()
             core.host.engine.close()
+        if core.events is not None:
+            await core.events.close()
         for p in core.device_pools + ([core.host_pool] if core.host_pool else []):
             p.close()
         for path in sockets:

@@ -32,6 +32,11 @@ SERVE_FLAGS = [
     ("--load-back-threshold", dict(type=int, help="smallest host segment (tokens) worth loading back")),
     ("--host-layout", dict(choices=["layer_first", "page_first"])),
     ("--bigram", dict(action="store_const", const=True)),
+    ("--kv-events", dict(action="store_const", const=True, help="record KV events (gRPC WatchEvents)")),
+    ("--kv-events-endpoint", dict(help="ZMQ PUB endpoint for KV events in vLLM's wire format")),
+    ("--kv-events-replay-endpoint", dict(help="ZMQ ROUTER endpoint that replays buffered KV event batches")),
+    ("--kv-events-topic", dict(help="ZMQ topic of the KV event messages")),
+    ("--kv-events-buffer", dict(type=int, help="KV event batches kept for replay")),
     ("--metrics-addr", dict(help="HOST:PORT of the Prometheus endpoint (port 0 picks one)")),
     ("--config", dict(help="TOML file ([radixd] table or top-level keys)")),
     ("--token", dict(help="require this bearer token")),
@@ -123,6 +128,21 @@ def cmd_demo(args) -> None:
         server.wait(10)
 
 
+def cmd_events(args) -> None:
+    """One JSON line per event: {"seq", "ts", "type", ...}; notices of gaps and losses as {"notice"}."""
+    from radixd.client.events import event_dicts, watch
+    token = args.token or os.environ.get("RADIXD_TOKEN")
+    try:
+        for batch in watch(args.target, args.from_seq, args.follow, token):
+            if batch.gap or batch.lost:
+                print(json.dumps({"notice": batch.message, "first_seq": batch.first_seq}), flush=True)
+                continue
+            for ev in event_dicts(batch):
+                print(json.dumps({"seq": batch.seq, "ts": batch.ts, **ev}), flush=True)
+    except KeyboardInterrupt:
+        pass
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="radixd", description="KV-cache manager for LLM serving")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -134,8 +154,12 @@ def main(argv: list[str] | None = None) -> None:
     demo.add_argument("--conversations", type=int, default=20)
     demo.set_defaults(fn=cmd_demo)
     for name, fn, help_ in (("stats", cmd_stats, "print server statistics"), ("info", cmd_info, "print pools"),
-                            ("check", cmd_check, "run the server's invariant checker")):
+                            ("check", cmd_check, "run the server's invariant checker"),
+                            ("events", cmd_events, "print KV events as JSON lines")):
         p = sub.add_parser(name, help=help_)
+        if name == "events":
+            p.add_argument("--from", dest="from_seq", type=int, default=0, help="replay from this sequence number")
+            p.add_argument("--follow", action="store_true", help="keep printing live events")
         p.add_argument("--target", default=os.environ.get("RADIXD_TARGET", DEFAULT_SOCKET.replace("unix:", "unix://")))
         p.add_argument("--token", default=None)
         p.set_defaults(fn=fn)

@@ -36,6 +36,12 @@ class Config:
     write_policy: str = "write_through"  # with a host pool: write_through | write_through_selective | write_back
     write_through_threshold: Optional[int] = None  # default 1 (write_through) or 2 (selective)
     load_back_threshold: int = 10
+    kv_events: bool = False  # record KV events (on by itself when a ZMQ endpoint is given)
+    kv_events_endpoint: str = ""  # ZMQ PUB, e.g. tcp://127.0.0.1:5557 (vLLM / SGLang wire format)
+    kv_events_replay_endpoint: str = ""  # ZMQ ROUTER answering replay requests
+    kv_events_topic: str = ""
+    kv_events_buffer: int = 10000  # batches kept for replay (ZMQ and gRPC WatchEvents)
+    kv_events_watcher_queue: int = 4096  # batches a gRPC watcher may fall behind before it is cut off
     bigram: bool = False
     metrics_addr: str = "127.0.0.1:0"
     token: Optional[str] = None

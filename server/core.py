@@ -90,6 +90,7 @@ class CacheCore:
         self.host_pool = host_pool
         self.host_alloc = host_allocator
         self.sessions = SessionTable()
+        self.events = None  # the EventHub when KV events are on
         if host is not None:
             host.on_load_done = self._load_landed
             host.engine.listeners.append(self._transfer_landed)
@@ -103,8 +104,13 @@ class CacheCore:
             if s is not None:
                 self.sessions.take_receipt(s, op)
 
+    def attach_events(self, hub) -> None:
+        self.events = hub
+
     def _transfer_landed(self, t) -> None:
-        """Tell the session whose request the copy served, on its Attach stream."""
+        """Tell the session whose request the copy served, on its Attach stream; publish its events."""
+        if self.events is not None:
+            self.events.flush()
         s = self.sessions.find(t.owner) if t.owner else None
         if s is not None:
             s.events.put_nowait(t)

@@ -67,6 +67,8 @@ def unary(method):
                 code = "INTERNAL"  # a bug, not bad input: counted as such, gRPC reports it as UNKNOWN
                 raise
             finally:
+                if self.core.events is not None:
+                    self.core.events.flush()  # what this call changed, published before it answers
                 self.metrics.observe(method, time.perf_counter() - t0, code)
             await context.abort(*err)
         return handler
@@ -219,6 +221,39 @@ class RadixCacheService(pb_grpc.RadixCacheServicer):
     @unary("Reset")
     def Reset(self, request):
         return pb.ResetResponse(freed_tokens=self.core.reset())
+
+    async def WatchEvents(self, request, context):
+        hub = self.core.events
+        if hub is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "KV events are off (start the server with --kv-events or --kv-events-endpoint)")
+        from .events import Watcher, to_proto
+        watcher = Watcher(hub.watcher_limit)
+        if request.follow:
+            hub.watchers.add(watcher)  # registered before the replay is read: no batch falls between
+        try:
+            if request.HasField("from_seq"):
+                gap, items = hub.replay(request.from_seq)
+                if gap is not None and request.from_seq < hub.next_seq:
+                    yield pb.EventBatch(gap=True, first_seq=gap, message=f"batches {request.from_seq}..{gap - 1} "
+                                        "left the replay buffer: resynchronise")
+                last = -1
+                for seq, ts, events, _ in items:
+                    last = seq
+                    yield to_proto(seq, ts, events)
+            else:
+                last = hub.next_seq - 1
+            while request.follow:
+                batch = await watcher.queue.get()
+                if batch is None:
+                    yield pb.EventBatch(lost=True, first_seq=hub.next_seq,
+                                        message="this consumer fell behind and lost events: resynchronise")
+                    return
+                if batch.seq > last:
+                    last = batch.seq
+                    yield batch
+        finally:
+            hub.watchers.discard(watcher)
 
     @unary("Echo")
     def Echo(self, request):

@@ -13,16 +13,17 @@ import pytest
 class ServerProc:
     """A `radixd serve` child process on a private unix socket."""
 
-    def __init__(self, *extra: str, sock: str | None = None):
+    def __init__(self, *extra: str, sock: str | None = None, env: dict | None = None):
         self.dir = tempfile.mkdtemp(prefix="radixd-test-")
         self.sock = sock or os.path.join(self.dir, "s.sock")
         self.args = extra
+        self.env = env
         self.start()
 
     def start(self) -> None:
         cmd = [sys.executable, "-m", "radixd.server.cli", "serve", "--listen", f"unix:{self.sock}",
                "--device", "cpu", "--metrics-addr", "127.0.0.1:0", "--grace-seconds", "1", *self.args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=self.env)
         line = self.proc.stdout.readline()  # the server prints one 'ready' line once it serves
         if "radixd ready" not in line:
             self.proc.kill()

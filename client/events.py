@@ -1,0 +1,152 @@
+"""Following radixd's KV events: a gRPC watcher, a ZMQ payload decoder and a router-side block index."""
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from typing import Any, Iterator, Optional
+
+import grpc
+
+from radixd.proto import cache_pb2 as pb
+from radixd.proto import cache_pb2_grpc as pb_grpc
+from radixd.server.tree.hashes import token_block_hashes
+
+MEDIA = ("GPU", "CPU_PINNED")
+
+
+def watch(target: str, from_seq: Optional[int] = None, follow: bool = True, token: Optional[str] = None,
+          channel: Optional[grpc.Channel] = None) -> Iterator[pb.EventBatch]:
+    """EventBatch messages from a server: the replay from `from_seq` (if given), then live ones (follow)."""
+    ch = channel or grpc.insecure_channel(target if "://" in target else f"unix://{target}")
+    stub = pb_grpc.RadixCacheStub(ch)
+    req = pb.WatchEventsRequest(follow=follow)
+    if from_seq is not None:
+        req.from_seq = from_seq
+    meta = (("authorization", f"Bearer {token}"),) if token else ()
+    yield from stub.WatchEvents(req, metadata=meta)
+
+
+def event_dicts(batch: pb.EventBatch) -> list[dict]:
+    """One batch's events as plain dicts (the ZMQ field names)."""
+    out = []
+    for ev in batch.events:
+        kind = ev.WhichOneof("kind")
+        if kind == "stored":
+            s = ev.stored
+            out.append(dict(type="BlockStored", block_hashes=list(s.block_hashes),
+                            parent_block_hash=s.parent_block_hash if s.HasField("parent_block_hash") else None,
+                            token_ids=list(s.token_ids), block_size=s.block_size, medium=s.medium,
+                            cache_salt=s.cache_salt or None))
+        elif kind == "removed":
+            out.append(dict(type="BlockRemoved", block_hashes=list(ev.removed.block_hashes), medium=ev.removed.medium))
+        else:
+            out.append(dict(type="AllBlocksCleared"))
+    return out
+
+
+def decode_zmq_payload(payload: bytes) -> tuple[float, list[dict]]:
+    """A ZMQ batch payload (msgpack [ts, [tagged maps]]) as (ts, event dicts)."""
+    import msgspec
+    batch = msgspec.msgpack.decode(payload)
+    return float(batch[0]), [dict(ev) for ev in batch[1]]
+
+
+def replay_zmq(endpoint: str, start: int, stop: Optional[int] = None, timeout_ms: int = 10000) -> list:
+    """(seq, payload) of the batches a ZMQ replay ROUTER still holds from `start` (up to `stop`)."""
+    import zmq
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.RCVTIMEO, timeout_ms)
+    s.connect(endpoint)
+    try:
+        s.send_multipart([b"", start.to_bytes(8, "big")])
+        out = []
+        while True:
+            _, _, seq, payload = s.recv_multipart()
+            n = int.from_bytes(seq, "big", signed=True)
+            if n == -1:
+                return out
+            if stop is None or n < stop:
+                out.append((n, payload))
+    finally:
+        s.close(linger=0)
+
+
+class BlockIndex:
+    """What a cache-aware router keeps: per node and medium, the block hashes it holds (a multiset)."""
+
+    def __init__(self, page_size: int):
+        self.page_size = page_size
+        self._nodes: dict[str, dict[str, Counter]] = {}
+        self._lock = threading.Lock()
+        self.resyncs = 0  # gaps or losses reported by a stream
+
+    def apply(self, node: str, events: list[dict]) -> None:
+        """Apply event dicts (from gRPC or ZMQ) of one node in stream order."""
+        with self._lock:
+            media = self._nodes.setdefault(node, {m: Counter() for m in MEDIA})
+            for ev in events:
+                kind = ev["type"]
+                if kind == "BlockStored":
+                    media.setdefault(ev["medium"], Counter()).update(ev["block_hashes"])
+                elif kind == "BlockRemoved":
+                    c = media.setdefault(ev["medium"], Counter())
+                    c.subtract(ev["block_hashes"])
+                    for h in ev["block_hashes"]:
+                        if c[h] <= 0:
+                            del c[h]
+                else:
+                    for c in media.values():
+                        c.clear()
+
+    def blocks(self, node: str, medium: str) -> Counter:
+        with self._lock:
+            return Counter(self._nodes.get(node, {}).get(medium, Counter()))
+
+    def match(self, tokens: Any, cache_salt: str = "") -> dict[str, dict[str, int]]:
+        """Per node: leading blocks of `tokens` held on the device ("GPU"), and on either tier ("any")."""
+        hashes = token_block_hashes(tokens, self.page_size, cache_salt)
+        out = {}
+        with self._lock:
+            for node, media in self._nodes.items():
+                gpu, cpu = media.get("GPU", Counter()), media.get("CPU_PINNED", Counter())
+                dev = next((i for i, h in enumerate(hashes) if h not in gpu), len(hashes))
+                both = next((i for i, h in enumerate(hashes) if h not in gpu and h not in cpu), len(hashes))
+                out[node] = {"GPU": dev, "any": both}
+        return out
+
+    def follow_zmq(self, node: str, endpoint: str, replay_endpoint: str = "", topic: bytes = b"") -> threading.Thread:
+        """Follow a node's ZMQ PUB socket in a daemon thread; on a sequence gap, replay the missing batches."""
+        import zmq
+
+        def run() -> None:
+            ctx = zmq.Context.instance()
+            sub = ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.SUBSCRIBE, topic)
+            sub.connect(endpoint)
+            expect = None
+            while True:
+                _, seq_b, payload = sub.recv_multipart()
+                seq = int.from_bytes(seq_b, "big")
+                if expect is not None and seq > expect and replay_endpoint:
+                    for _, p in replay_zmq(replay_endpoint, expect, seq):
+                        self.apply(node, decode_zmq_payload(p)[1])
+                elif expect is not None and seq > expect:
+                    self.resyncs += 1
+                self.apply(node, decode_zmq_payload(payload)[1])
+                expect = seq + 1
+        t = threading.Thread(target=run, daemon=True, name=f"blockindex-zmq-{node}")
+        t.start()
+        return t
+
+    def follow_grpc(self, node: str, target: str, token: Optional[str] = None,
+                    from_seq: Optional[int] = 0) -> threading.Thread:
+        """Follow a node over gRPC in a daemon thread (replaying from `from_seq`)."""
+        def run() -> None:
+            for batch in watch(target, from_seq, True, token):
+                if batch.gap or batch.lost:
+                    self.resyncs += 1
+                    continue
+                self.apply(node, event_dicts(batch))
+        t = threading.Thread(target=run, daemon=True, name=f"blockindex-{node}")
+        t.start()
+        return t

@@ -1,0 +1,190 @@
+"""KV events out of the server: sequenced batches, a replay buffer, gRPC watchers and a ZMQ publisher.
+
+ZMQ wire format (what vLLM 0.32 and SGLang 0.5.23 publish, so their routers follow radixd unchanged):
+* PUB socket, one 3-frame message per batch: [topic, seq as 8-byte big-endian unsigned, payload]; seq
+  counts from 0.
+* payload = msgpack of the batch as a positional array [ts: float, events: list] (a data-parallel rank
+  would be a third element; radixd has none, and like vLLM omits the default);
+* each event a map tagged by "type": BlockStored {block_hashes, parent_block_hash, token_ids, block_size,
+  lora_id, medium, cache_salt (only when set)}, BlockRemoved {block_hashes, medium}, AllBlocksCleared {}.
+* Replay: a ROUTER socket; a DEALER sends [b"", start seq (8-byte big-endian)] and gets every buffered
+  batch with seq >= start as [b"", topic, seq, payload], then [b"", b"", -1 (8-byte signed), b""].
+The cache never waits for a consumer: PUB drops for slow subscribers, a slow gRPC watcher is told it lost
+events and its stream ends.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from typing import Callable, Optional
+
+from radixd.proto import cache_pb2 as pb
+
+from .tree.events import BlockRemoved, BlockStored, Event
+
+log = logging.getLogger("radixd.events")
+END_MARKER = (-1).to_bytes(8, "big", signed=True)
+
+
+def _msgspec_types():
+    """The encoder's structs: the same shapes vLLM declares (tagged maps in a positional batch)."""
+    import msgspec
+
+    class _Stored(msgspec.Struct, tag="BlockStored", omit_defaults=True, gc=False):
+        block_hashes: list[int]
+        parent_block_hash: Optional[int]
+        token_ids: list[int]
+        block_size: int
+        lora_id: Optional[int]
+        medium: Optional[str]
+        cache_salt: Optional[str] = None
+
+    class _Removed(msgspec.Struct, tag="BlockRemoved", omit_defaults=True, gc=False):
+        block_hashes: list[int]
+        medium: Optional[str]
+
+    class _Cleared(msgspec.Struct, tag="AllBlocksCleared", omit_defaults=True, gc=False):
+        pass
+
+    class _Batch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+        ts: float
+        events: list
+        data_parallel_rank: Optional[int] = None
+
+    return msgspec.msgpack.Encoder(), _Stored, _Removed, _Cleared, _Batch
+
+
+def to_proto(seq: int, ts: float, events: list[Event]) -> pb.EventBatch:
+    out = []
+    for ev in events:
+        if isinstance(ev, BlockStored):
+            msg = pb.BlockStoredEvent(block_hashes=ev.block_hashes, token_ids=ev.token_ids, block_size=ev.block_size,
+                                      medium=ev.medium, cache_salt=ev.cache_salt or "")
+            if ev.parent_block_hash is not None:
+                msg.parent_block_hash = ev.parent_block_hash
+            out.append(pb.KvEvent(stored=msg))
+        elif isinstance(ev, BlockRemoved):
+            out.append(pb.KvEvent(removed=pb.BlockRemovedEvent(block_hashes=ev.block_hashes, medium=ev.medium)))
+        else:
+            out.append(pb.KvEvent(cleared=pb.AllBlocksClearedEvent()))
+    return pb.EventBatch(seq=seq, ts=ts, events=out)
+
+
+class Watcher:
+    """One gRPC consumer: a bounded queue; when it overflows the consumer is cut off, never waited for."""
+
+    def __init__(self, limit: int):
+        self.queue: asyncio.Queue = asyncio.Queue(maxsize=limit)
+        self.lost = False
+
+    def offer(self, batch: pb.EventBatch) -> None:
+        if self.lost:
+            return
+        try:
+            self.queue.put_nowait(batch)
+        except asyncio.QueueFull:
+            self.lost = True
+            self.queue = asyncio.Queue(maxsize=1)  # drop the backlog: the consumer must resynchronise
+            self.queue.put_nowait(None)
+
+
+class EventHub:
+    """Sequences the tree's events into batches and fans them out; `flush()` after every change."""
+
+    def __init__(self, take: Callable[[], tuple[list[Event], int]], buffer: int = 10000, endpoint: str = "",
+                 replay_endpoint: str = "", topic: str = "", watcher_limit: int = 4096):
+        self._take = take
+        self.buffer: deque = deque(maxlen=buffer)  # (seq, ts, events, zmq payload or None)
+        self.next_seq = 0
+        self.watchers: set[Watcher] = set()
+        self.watcher_limit = watcher_limit
+        self.topic = topic.encode()
+        self.dropped = 0  # events the tree's bound dropped (never expected; counted for alerts)
+        self._pub = self._router = self._ctx = None
+        self._replay_task: Optional[asyncio.Task] = None
+        self._encode = None
+        if endpoint or replay_endpoint:
+            import zmq
+            enc, self._Stored, self._Removed, self._Cleared, self._Batch = _msgspec_types()
+            self._encode = enc.encode
+            self._ctx = zmq.Context.instance()
+            if endpoint:
+                self._pub = self._ctx.socket(zmq.PUB)
+                self._pub.setsockopt(zmq.SNDHWM, 100_000)
+                self._pub.bind(endpoint)
+            self._replay_endpoint = replay_endpoint
+
+    def _payload(self, ts: float, events: list[Event]) -> bytes:
+        out = []
+        for ev in events:
+            if isinstance(ev, BlockStored):
+                out.append(self._Stored(ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size, None,
+                                        ev.medium, ev.cache_salt))
+            elif isinstance(ev, BlockRemoved):
+                out.append(self._Removed(ev.block_hashes, ev.medium))
+            else:
+                out.append(self._Cleared())
+        return self._encode(self._Batch(ts, out))
+
+    def flush(self) -> None:
+        """Take what the tree recorded since the last flush and publish it as one batch."""
+        events, lost = self._take()
+        self.dropped += lost
+        if not events:
+            return
+        seq, ts = self.next_seq, time.time()
+        self.next_seq += 1
+        payload = self._payload(ts, events) if self._encode else None
+        self.buffer.append((seq, ts, events, payload))
+        if self._pub is not None:
+            import zmq
+            try:
+                self._pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload], flags=zmq.NOBLOCK)
+            except zmq.Again:  # pragma: no cover - PUB drops rather than blocks; counted as a gap by SUBs
+                pass
+        if self.watchers:
+            batch = to_proto(seq, ts, events)
+            for w in self.watchers:
+                w.offer(batch)
+
+    # ------------------------------------------------------------------ replay
+    def replay(self, start: int) -> tuple[Optional[int], list]:
+        """Buffered batches with seq >= start, and the first seq still held when start is older (a gap)."""
+        items = [b for b in self.buffer if b[0] >= start]
+        oldest = self.buffer[0][0] if self.buffer else self.next_seq
+        gap = oldest if start < oldest else None
+        return gap, items
+
+    async def start(self) -> None:
+        if self._ctx is not None and self._replay_endpoint:
+            self._replay_task = asyncio.get_running_loop().create_task(self._serve_replay())
+
+    async def _serve_replay(self) -> None:
+        import zmq
+        import zmq.asyncio
+        ctx = zmq.asyncio.Context.instance()
+        self._router = ctx.socket(zmq.ROUTER)
+        self._router.bind(self._replay_endpoint)
+        try:
+            while True:
+                frames = await self._router.recv_multipart()
+                if len(frames) < 3 or len(frames[-1]) != 8:
+                    continue
+                ident, start = frames[0], int.from_bytes(frames[-1], "big")
+                _, items = self.replay(start)
+                for seq, ts, events, payload in items:
+                    await self._router.send_multipart([ident, b"", self.topic, seq.to_bytes(8, "big"), payload])
+                await self._router.send_multipart([ident, b"", b"", END_MARKER, b""])
+        except asyncio.CancelledError:
+            pass
+        finally:
+            self._router.close(linger=0)
+
+    async def close(self) -> None:
+        if self._replay_task is not None:
+            self._replay_task.cancel()
+            await asyncio.gather(self._replay_task, return_exceptions=True)
+        if self._pub is not None:
+            self._pub.close(linger=0)
