@@ -202,3 +202,14 @@ def _check_node(tree: "RadixTree", node: "Node", ref: int, through: bool, bad: l
         bad.append(f"node {node.id:#x} has a negative lock count")
     if ref and node.value is None:
         bad.append(f"node {node.id:#x} is device-locked without a device value")
+    if node.hashes is not None:  # I5: one digest per page, continuing the parent's chain
+        from .hashes import chain, salt_seed
+        if parent.parent is None:
+            prior = salt_seed(parent.ns[1])
+        else:
+            prior = parent.hashes[-32:] if parent.hashes else None
+        if parent.parent is None or parent.hashes:
+            if node.hashes != chain(node.key, tree._page_b, prior, tree.bigram):
+                bad.append(f"node {node.id:#x} page hashes do not continue its parent's chain")
+        elif len(node.hashes) != npos // page * 32:
+            bad.append(f"node {node.id:#x} has {len(node.hashes) // 32} page hashes for {npos // page} pages")
