@@ -288,8 +288,22 @@ class AsyncCacheClient(_Base):
                                                                          items=codec.insert_items(items, True)))
         return codec.inserted(resp.results)
 
-    async def evict(self, num_tokens: int) -> int:
-        return (await self._call("Evict", pb.EvictRequest(num_tokens=num_tokens))).evicted_tokens
+    async def evict(self, num_tokens: int, host_tokens: int = 0) -> int:
+        return (await self._call("Evict", pb.EvictRequest(num_tokens=num_tokens,
+                                                          host_tokens=host_tokens))).evicted_tokens
+
+    async def load_back(self, receipt_id: int, mem_quota: Optional[int] = None) -> codec.Loaded:
+        """Bring a locked match's host segment back to device; wait_transfers before reading it."""
+        item = pb.LoadBackItem(receipt_id=receipt_id)
+        if mem_quota is not None:
+            item.mem_quota = mem_quota
+        resp = await self._call("LoadBack", pb.LoadBackRequest(session_id=self.session_id, items=[item]))
+        return codec.loaded(resp)[0]
+
+    async def wait_transfers(self, transfer_ids: Sequence[int], timeout_ms: int = 10_000) -> tuple[list[int], list[int]]:
+        r = await self._call("WaitTransfers", pb.WaitTransfersRequest(transfer_ids=list(transfer_ids),
+                                                                       timeout_ms=timeout_ms))
+        return list(r.completed), list(r.failed)
 
     async def stats(self) -> dict[str, int]:
         return codec.stats_dict(await self._call("GetStats", pb.GetStatsRequest()))

@@ -252,3 +252,26 @@ def test_transfer_completions_reach_the_attach_stream_and_dead_sessions_leak_not
             assert s["cached_tokens"] == 128 and s["protected_tokens"] == 0 and s["held_tokens"] == 0
     finally:
         srv.stop()
+
+
+def test_async_client_loads_back_too():
+    import asyncio
+
+    from radixd.client import AsyncCacheClient
+    srv = _server(1, "page_first", "write_back", 64, 256)
+
+    async def run():
+        async with AsyncCacheClient(srv.target) as c:
+            toks = np.arange(1, 33, dtype=np.int32)
+            (slots,) = await c.alloc([32])
+            await c.cache_finished([dict(tokens=toks, indices=slots)])
+            assert await c.evict(32) == 32
+            m = await c.match_prefix(toks, lock=True)
+            lb = await c.load_back(m.receipt_id)
+            assert lb.loaded_len == 32 and (await c.wait_transfers([lb.transfer_id]))[0] == [lb.transfer_id]
+            await c.unlock([lb.receipt_id])
+            assert await c.check() == []
+    try:
+        asyncio.run(run())
+    finally:
+        srv.stop()
