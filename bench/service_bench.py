@@ -3,7 +3,8 @@ concurrent clients) against two floors, all in one run:
 
 * "bare floor": a bare grpc.aio server on uvloop over a unix socket, no protobuf and no interceptors, that
   answers each request with as many bytes as radixd's MatchPrefix response; the client sends the same
-  request bytes. Timed interleaved with MatchPrefix, call by call: the ratio an outsider would measure.
+  request bytes. Timed interleaved with MatchPrefix, call by call, each pair in random order (so neither
+  server is always the one woken second): the ratio an outsider would measure.
 * "echo (floor)": radixd's own Echo RPC with the tokens as payload.
 
     python bench/service_bench.py [--requests 2000] [--clients 4] [--seconds 3]
@@ -101,14 +102,24 @@ def interleaved(c: CacheClient, floor_sock: str, reqs: list) -> tuple[list, list
     for w in wire[:200]:
         call(w)
     floor, match = [], []
-    for r, w in zip(reqs, wire):
-        t0 = time.perf_counter()
-        call(w)
-        t1 = time.perf_counter()
-        c.match_batch([r])
-        t2 = time.perf_counter()
-        floor.append(t1 - t0)
-        match.append(t2 - t1)
+    coin = np.random.default_rng(11).random(len(reqs)) < 0.5
+    for r, w, floor_first in zip(reqs, wire, coin):  # each pair in random order: neither side always goes first
+        if floor_first:
+            t0 = time.perf_counter()
+            call(w)
+            t1 = time.perf_counter()
+            c.match_batch([r])
+            t2 = time.perf_counter()
+            floor.append(t1 - t0)
+            match.append(t2 - t1)
+        else:
+            t0 = time.perf_counter()
+            c.match_batch([r])
+            t1 = time.perf_counter()
+            call(w)
+            t2 = time.perf_counter()
+            match.append(t1 - t0)
+            floor.append(t2 - t1)
     ch.close()
     return floor, match
 
