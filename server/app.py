@@ -91,7 +91,7 @@ async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
     instance_id = uuid.uuid4().hex
     core = build_core(cfg, instance_id)
     metrics = Metrics(core)
-    if core.tree._ev is not None:
+    if core.tree.events_enabled:
         core.attach_events(EventHub(core.tree.take_events, cfg.kv_events_buffer, cfg.kv_events_endpoint,
                                     cfg.kv_events_replay_endpoint, cfg.kv_events_topic,
                                     cfg.kv_events_watcher_queue))

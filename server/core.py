@@ -325,10 +325,8 @@ class CacheCore:
                 self.sessions.add_receipt(s, lb.receipt)
                 self._release(s, it.receipt)
             else:  # refused or nothing to load: the device prefix, the same receipt
-                node = self.tree._nodes[self.tree.receipt_anchor(it.receipt)]
-                while node.value is None:
-                    node = node.parent
-                lb = LoadBack(self.tree.path_values(node).astype(np.int64), 0, it.receipt, None, lb.reason)
+                prefix = self.tree.resident_prefix(self.tree.receipt_anchor(it.receipt))
+                lb = LoadBack(prefix.astype(np.int64), 0, it.receipt, None, lb.reason)
             out.append(lb)
         return out
 

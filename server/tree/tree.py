@@ -161,6 +161,11 @@ class RadixTree(TransferMixin):
     def _removed(self, node: Node, medium: str) -> None:
         self._ev.push(BlockRemoved(_hashes.block_hashes(self._digests(node)), medium))
 
+    @property
+    def events_enabled(self) -> bool:
+        """Whether this tree records KV events."""
+        return self._ev is not None
+
     def take_events(self) -> tuple[list[Event], int]:
         """Events since the last call, in order, and how many the bound dropped (0 normally)."""
         return self._ev.take() if self._ev is not None else ([], 0)
@@ -822,6 +827,13 @@ class RadixTree(TransferMixin):
         if r is None:
             raise UnknownReceipt(f"receipt {receipt:#x} is unknown or already released")
         return (r[1] or r[0]).id
+
+    def resident_prefix(self, node_id: int) -> np.ndarray:
+        """Device slots of the deepest device-resident node on a node's path, root first."""
+        node = self._node(node_id)
+        while node.value is None:
+            node = node.parent
+        return self.path_values(node)
 
     def is_loading(self, op: int) -> bool:
         """Whether a load-back op (the receipt it will become) is still planned or in flight."""
