@@ -177,7 +177,7 @@ def _stub_torchvision():
 
 
 class SGLangImpl:
-    def __init__(self, page: int):
+    def __init__(self, page: int, events: bool = False):
         import warnings
         warnings.filterwarnings("ignore")
         _stub_torchvision()
@@ -187,7 +187,9 @@ class SGLangImpl:
         from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
         self.torch, self.array, self.Key = torch, array, RadixKey
         self.IP, self.MP, self.EP = InsertParams, MatchPrefixParams, EvictParams
-        self.c = RadixCache.create_simulated(mock_allocator=_MockAllocator(), page_size=page)
+        self.c = RadixCache.create_simulated(mock_allocator=_MockAllocator(), page_size=page,
+                                             enable_kv_cache_events=events)
+        self.drain = self.c.take_events if events else (lambda: None)
 
     def prep(self, toks, start):
         return (self.Key(self.array("q", toks.astype(np.int64).tobytes())),
@@ -198,6 +200,7 @@ class SGLangImpl:
 
     def insert(self, k, v):
         self.c.insert(self.IP(key=k, value=v))
+        self.drain()
 
     def match(self, k):
         return self.c.match_prefix(self.MP(key=k)).last_device_node
@@ -207,7 +210,9 @@ class SGLangImpl:
         self.c.dec_lock_ref(node)
 
     def evict(self, n):
-        return self.c.evict(self.EP(num_tokens=n)).num_tokens_evicted
+        n = self.c.evict(self.EP(num_tokens=n)).num_tokens_evicted
+        self.drain()
+        return n
 
     def cached(self):
         return self.c.evictable_size_ + self.c.protected_size_
@@ -225,7 +230,7 @@ def run_worker(impl_name: str, only: str, args) -> dict:
         if wname != only:
             continue
         ops = make()
-        impl = RadixdImpl(page, args.write_policy, args.events) if impl_name == "radixd" else SGLangImpl(page)
+        impl = RadixdImpl(page, args.write_policy, args.events) if impl_name == "radixd" else SGLangImpl(page, args.events)
         times = {"insert": [], "match_cont": [], "match_new": [], "lock_unlock": [], "evict": []}
         nodes = []
         slot = 0
@@ -291,7 +296,7 @@ def main() -> None:
     ap.add_argument("--trace-requests", type=int, default=500)
     ap.add_argument("--write-policy", choices=["write_through", "write_through_selective", "write_back"],
                     help="run radixd with the host tier on (backups committed and finished inline, no copies)")
-    ap.add_argument("--events", action="store_true", help="radixd with KV events on (drained after each op)")
+    ap.add_argument("--events", action="store_true", help="KV events on in both caches (drained after each op)")
     ap.add_argument("--worker", choices=["radixd", "sglang"], help=argparse.SUPPRESS)
     ap.add_argument("--workload", help=argparse.SUPPRESS)
     ap.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)

@@ -14,6 +14,7 @@ import numpy as np
 from radixd.server.pools.pool import KVPool
 
 _MAX_CALLS = 256  # beyond this many gathers a fragmented copy goes through one temporary instead
+_BIG_PAGE = 128 << 10  # page_first -> layer_first pages this large: one strided block copy per page
 
 
 def chunk_view(pool: KVPool) -> np.ndarray:
@@ -53,6 +54,8 @@ class PageCopier:
         self._np_src, self._np_dst = chunk_view(src), chunk_view(dst)
         self._dst_page_first = dst.spec.layout == "page_first"
         self._src_rows_contiguous = src.spec.layout == "layer_first"
+        self._per_page = (src.spec.layout == "page_first" and dst.spec.layout == "layer_first"
+                          and self.page_bytes >= _BIG_PAGE)
         self._t = _torch()
         if self._t is not None:
             self._src = self._t.from_numpy(self._np_src)
@@ -82,7 +85,11 @@ class PageCopier:
         ends = np.concatenate([breaks, [dp.size]]).tolist()
         lk = self._np_src.shape[1]
         calls = len(starts) * (1 if self._dst_page_first else lk)
-        if self._t is None:
+        if self._per_page:  # one strided block copy per page beats the per-buffer gathers here
+            src, dst = self._np_src, self._np_dst
+            for a, b in zip(sp.tolist(), dp.tolist()):
+                dst[b] = src[a]
+        elif self._t is None:
             self._np_dst[dp] = self._np_src[sp]
         elif calls > _MAX_CALLS:
             t = self._t
