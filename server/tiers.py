@@ -57,7 +57,7 @@ class HostTier:
 
     # --------------------------------------------------------------- helpers
     def _free(self, alloc: SlotAllocator, slots: np.ndarray) -> None:
-        """Free slots whatever their state (tree-owned or in flight), except those a queued copy writes."""
+        """Free slots whatever their state, tree-owned or in flight (the caller keeps slots a copy still writes)."""
         if slots.size == 0:
             return
         slots = slots.astype(np.int64)
