@@ -58,6 +58,8 @@ def build_core(cfg: Config, instance_id: str) -> CacheCore:
     backend = pick_backend(cfg.device)
     spec = PoolSpec(num_layers=cfg.layers, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, dtype=cfg.dtype,
                     page_size=cfg.page_size, num_slots=cfg.num_slots, mla=cfg.mla)
+    if backend != "cuda":
+        cfg.gpus = []  # no GPU in use: say so in the start-up line instead of a misleading [0]
     gpus = cfg.gpus if backend == "cuda" else [0]
     device_pools = [KVPool(spec, "device", instance_id, backend, device_index=g, index=i) for i, g in enumerate(gpus)]
     host_pool = host_alloc = host = None

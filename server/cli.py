@@ -52,11 +52,31 @@ def _client(args):
     return CacheClient(args.target, token=args.token or os.environ.get("RADIXD_TOKEN"), attach=False)
 
 
+class UsageError(Exception):
+    """A user error: one line, exit status 2."""
+
+
 def cmd_serve(args) -> None:
     from .app import run
-    from .config import load
+    from .config import ConfigError, load
     flags = {name[2:].replace("-", "_"): getattr(args, name[2:].replace("-", "_")) for name, _ in SERVE_FLAGS}
-    run(load(flags))
+    try:
+        cfg = load(flags)
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
+    run(cfg)
+
+
+def cmd_health(args) -> None:
+    """gRPC health check for probes: exit 0 when the server answers SERVING, 1 otherwise."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    target = args.target if "://" in args.target else f"unix://{args.target}"
+    with grpc.insecure_channel(target) as ch:
+        status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=args.timeout)
+    name = health_pb2.HealthCheckResponse.ServingStatus.Name(status.status)
+    print(name)
+    sys.exit(0 if status.status == health_pb2.HealthCheckResponse.SERVING else 1)
 
 
 def cmd_stats(args) -> None:
@@ -143,8 +163,15 @@ def cmd_events(args) -> None:
         pass
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (which flag, what is wrong) and exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (see --help)\n")
+
+
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="radixd", description="KV-cache manager for LLM serving")
+    ap = _Parser(prog="radixd", description="KV-cache manager for LLM serving")
     sub = ap.add_subparsers(dest="cmd", required=True)
     serve = sub.add_parser("serve", help="run the server")
     for name, kw in SERVE_FLAGS:
@@ -155,8 +182,11 @@ def main(argv: list[str] | None = None) -> None:
     demo.set_defaults(fn=cmd_demo)
     for name, fn, help_ in (("stats", cmd_stats, "print server statistics"), ("info", cmd_info, "print pools"),
                             ("check", cmd_check, "run the server's invariant checker"),
-                            ("events", cmd_events, "print KV events as JSON lines")):
+                            ("events", cmd_events, "print KV events as JSON lines"),
+                            ("health", cmd_health, "gRPC health check for probes (exit 0 = serving)")):
         p = sub.add_parser(name, help=help_)
+        if name == "health":
+            p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for an answer")
         if name == "events":
             p.add_argument("--from", dest="from_seq", type=int, default=0, help="replay from this sequence number")
             p.add_argument("--follow", action="store_true", help="keep printing live events")
@@ -164,7 +194,19 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--token", default=None)
         p.set_defaults(fn=fn)
     args = ap.parse_args(argv)
-    args.fn(args)
+    try:
+        args.fn(args)
+    except UsageError as e:
+        print(f"radixd: {e}", file=sys.stderr)
+        sys.exit(2)
+    except Exception as e:  # an unreachable server: one line, not a traceback
+        import grpc
+        from radixd.client import RadixdError
+        if not isinstance(e, (RadixdError, grpc.RpcError)) or args.cmd == "serve":
+            raise
+        detail = e.details() if isinstance(e, grpc.RpcError) else str(e)
+        print(f"radixd {args.cmd}: cannot get an answer from {args.target}: {detail}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

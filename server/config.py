@@ -110,25 +110,70 @@ def host_slots_for(cfg: Config, slot_bytes: int) -> int:
     return slots - slots % cfg.page_size
 
 
-def load(flags: dict[str, Any]) -> Config:
-    """Merge the sources; flags holds only what was given on the command line."""
+class ConfigError(ValueError):
+    """A bad setting; the message names where it came from (flag, environment variable or file)."""
+
+
+# Lower bounds of numeric settings (what a pool, a tree or a buffer can be built with).
+_MIN = {"num_slots": 1, "page_size": 1, "layers": 1, "kv_heads": 1, "head_dim": 1, "host_slots": 0,
+        "host_ratio": 0.0, "write_through_threshold": 1, "load_back_threshold": 0, "kv_events_buffer": 1,
+        "kv_events_watcher_queue": 1, "grace_seconds": 0.0}
+
+
+def _set(cfg: Config, name: str, value: Any, source: str, origin: dict[str, str]) -> None:
+    try:
+        v = _coerce(name, value)
+    except (TypeError, ValueError):
+        typ = {f.name: f.type for f in fields(Config)}[name]
+        raise ConfigError(f"{source}: {value!r} is not a valid {typ.replace('Optional[', '').rstrip(']')}") from None
+    setattr(cfg, name, v)
+    origin[name] = source
+
+
+def _check(cfg: Config, origin: dict[str, str]) -> None:
+    def src(name: str) -> str:
+        return origin.get(name, f"default {name}")
+    for name, lo in _MIN.items():
+        v = getattr(cfg, name)
+        if v is not None and v < lo:
+            raise ConfigError(f"{src(name)}: {v!r} is below the minimum {lo}")
+    if cfg.num_slots % cfg.page_size:
+        raise ConfigError(f"{src('num_slots')}: {cfg.num_slots} slots is not a multiple of the page size "
+                          f"{cfg.page_size} ({src('page_size')})")
+    if cfg.host_mem:
+        try:
+            parse_bytes(cfg.host_mem)
+        except ValueError as e:
+            raise ConfigError(f"{src('host_mem')}: {e}") from None
+
+
+def load(flags: dict[str, Any], flag_names: Optional[dict[str, str]] = None) -> Config:
+    """Merge the sources; flags holds only what was given on the command line. Raises ConfigError with
+    the source of the first bad value (flag, RADIXD_* variable, or TOML file and key)."""
     cfg = Config()
+    origin: dict[str, str] = {}
     names = {f.name for f in fields(Config)}
     path = flags.get("config") or os.environ.get("RADIXD_CONFIG")
     if path:
-        with open(path, "rb") as fh:
-            data = tomllib.load(fh)
+        try:
+            with open(path, "rb") as fh:
+                data = tomllib.load(fh)
+        except OSError as e:
+            raise ConfigError(f"config file {path}: {e.strerror or e}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {path}: not valid TOML ({e})") from None
         data = data.get("radixd", data)
         for k, v in data.items():
             k = k.replace("-", "_")
             if k not in names:
-                raise ValueError(f"{path}: unknown setting {k!r}")
-            setattr(cfg, k, _coerce(k, v))
+                raise ConfigError(f"config file {path}: unknown setting {k!r}")
+            _set(cfg, k, v, f"{path}: {k}", origin)
     for k in names:
         env = os.environ.get(f"RADIXD_{k.upper()}")
         if env is not None:
-            setattr(cfg, k, _coerce(k, env))
+            _set(cfg, k, env, f"RADIXD_{k.upper()}", origin)
     for k, v in flags.items():
         if v is not None:
-            setattr(cfg, k, _coerce(k, v))
+            _set(cfg, k, v, (flag_names or {}).get(k, f"--{k.replace('_', '-')}"), origin)
+    _check(cfg, origin)
     return cfg
