@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from radixd.client import (
-    CacheClient, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted,
+    CacheClient, FailedPrecondition, NotFound, PermissionDenied, ResourceExhausted,
     ServerRestarted, Unauthenticated,
 )
 from radixd.proto import cache_pb2 as pb
