@@ -22,7 +22,8 @@ from .metrics import Metrics
 from .pools.allocator import SlotAllocator
 from .pools.cuda import cuda_available
 from .pools.pool import KVPool
-from .pools.shm import cleanup_stale
+from .pools.shm import SHM_DIR, cleanup_stale, shm_room
+from .pools.spec import total_bytes
 from .pools.spec import PoolSpec
 from .service import RadixCacheService, TokenAuth
 from .tiers import HostTier
@@ -39,7 +40,7 @@ def pick_backend(device: str) -> str:
         return "shm"
     if device == "cuda":
         if not cuda_available():
-            raise SystemExit("--device cuda: no CUDA GPU visible (or cupy missing)")
+            raise StartupError("--device cuda: no CUDA GPU visible (or cupy missing); use --device cpu or auto")
         return "cuda"
     return "cuda" if cuda_available() else "shm"
 
@@ -53,22 +54,57 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+class StartupError(Exception):
+    """The configuration cannot be served on this machine; the message says what to change."""
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.1f} GB"
+
+
+def _check_shm(device_bytes: int, host_bytes: int) -> None:
+    """Refuse shared-memory pools that the shm mount or the machine's memory cannot back."""
+    need = device_bytes + host_bytes
+    free, avail = shm_room()
+    room = min(free, avail)
+    if need > room:
+        which = ("--num-slots (or --layers / --kv-heads / --head-dim / --dtype)" if device_bytes >= host_bytes
+                 else "--host-slots / --host-mem / --host-ratio")
+        raise StartupError(f"the pools need {_gb(need)} of shared memory (device {_gb(device_bytes)}, host "
+                           f"{_gb(host_bytes)}), but {SHM_DIR} has {_gb(free)} free and {_gb(avail)} of memory is "
+                           f"available: lower {which}")
+
+
 def build_core(cfg: Config, instance_id: str) -> CacheCore:
-    """Pools, allocators and tree for a config."""
+    """Pools, allocators and tree for a config; a failure leaves no pool behind."""
     backend = pick_backend(cfg.device)
     spec = PoolSpec(num_layers=cfg.layers, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, dtype=cfg.dtype,
                     page_size=cfg.page_size, num_slots=cfg.num_slots, mla=cfg.mla)
     if backend != "cuda":
         cfg.gpus = []  # no GPU in use: say so in the start-up line instead of a misleading [0]
     gpus = cfg.gpus if backend == "cuda" else [0]
-    device_pools = [KVPool(spec, "device", instance_id, backend, device_index=g, index=i) for i, g in enumerate(gpus)]
-    host_pool = host_alloc = host = None
     host_slots = host_slots_for(cfg, spec.slot_bytes)
-    if host_slots and len(device_pools) > 1:
-        raise SystemExit("a host tier with more than one device pool (--gpus) is not supported yet")
+    if host_slots and len(gpus) > 1:
+        raise StartupError("a host tier with more than one device pool (--gpus) is not supported yet")
+    host_spec = spec.with_slots(host_slots, cfg.host_layout) if host_slots else None
+    _check_shm(total_bytes(spec) * len(gpus) if backend == "shm" else 0, total_bytes(host_spec) if host_spec else 0)
+    pools: list[KVPool] = []
+    try:
+        for i, g in enumerate(gpus):
+            pools.append(KVPool(spec, "device", instance_id, backend, device_index=g, index=i))
+        if host_spec is not None:
+            pools.append(KVPool(host_spec, "host", instance_id, "shm", pin=backend == "cuda"))
+        if cfg.prefault:
+            for p in pools:
+                p.prefault()
+    except BaseException:
+        for p in pools:
+            p.close()
+        raise
+    device_pools = pools[:len(gpus)]
+    host_pool = pools[-1] if host_spec is not None else None
+    host_alloc = host = None
     if host_slots:
-        host_pool = KVPool(spec.with_slots(host_slots, cfg.host_layout), "host", instance_id, "shm",
-                           pin=backend == "cuda")
         host_alloc = SlotAllocator(host_slots, cfg.page_size)
     tag = zlib.crc32(instance_id.encode()) & 0xFFFF
     tree = RadixTree(page_size=cfg.page_size, policy=cfg.eviction_policy, bigram=cfg.bigram, instance_tag=tag,
@@ -92,6 +128,25 @@ async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
         log.info("removed %d stale shared-memory segments of dead servers", len(removed))
     instance_id = uuid.uuid4().hex
     core = build_core(cfg, instance_id)
+    sockets: list[str] = []
+    try:
+        await _run(cfg, core, instance_id, sockets, ready)
+    finally:  # every exit, a failed start included, leaves no segment and no socket file behind
+        if core.host is not None:
+            await core.host.engine.drain()
+            core.host.engine.close()
+        if core.events is not None:
+            await core.events.close()
+        for p in core.device_pools + ([core.host_pool] if core.host_pool else []):
+            p.close()
+        for path in sockets:
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+async def _run(cfg: Config, core: CacheCore, instance_id: str, sockets: list[str],
+               ready: asyncio.Event | None) -> None:
+    """Start gRPC, health, reflection and metrics over a built core; return after a graceful stop."""
     metrics = Metrics(core)
     if core.tree.events_enabled:
         core.attach_events(EventHub(core.tree.take_events, cfg.kv_events_buffer, cfg.kv_events_endpoint,
@@ -114,7 +169,6 @@ async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
     if cfg.tls_cert and cfg.tls_key:
         with open(cfg.tls_key, "rb") as k, open(cfg.tls_cert, "rb") as c:
             creds = grpc.ssl_server_credentials([(k.read(), c.read())])
-    sockets = []
     for addr in cfg.listen:
         if addr.startswith("unix:"):
             path = addr[5:]
@@ -124,16 +178,22 @@ async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
             old = os.umask(0o177)
             try:
                 server.add_insecure_port(f"unix:{path}")
+            except RuntimeError as e:
+                raise StartupError(f"--listen {addr}: cannot listen there ({e})") from None
             finally:
                 os.umask(old)
             sockets.append(path)
         else:
             host = addr.rsplit(":", 1)[0]
             if not cfg.token and not cfg.allow_remote and not _is_loopback(host):
-                raise SystemExit(f"refusing to listen on {addr} without --token (pass --allow-remote to insist)")
-            port = server.add_secure_port(addr, creds) if creds else server.add_insecure_port(addr)
+                raise StartupError(f"--listen {addr}: refusing to listen beyond loopback without --token "
+                                   "(pass --allow-remote to insist)")
+            try:
+                port = server.add_secure_port(addr, creds) if creds else server.add_insecure_port(addr)
+            except RuntimeError as e:
+                raise StartupError(f"--listen {addr}: cannot bind ({e})") from None
             if port == 0:
-                raise SystemExit(f"cannot bind {addr}")
+                raise StartupError(f"--listen {addr}: cannot bind")
     mhost, mport = cfg.metrics_addr.rsplit(":", 1)
     metrics_at = metrics.serve(mhost, int(mport)) if cfg.metrics_addr else ""
     await server.start()
@@ -152,23 +212,11 @@ async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
         loop.add_signal_handler(sig, done.set)
     if ready is not None:
         ready.set()
-    try:
-        await done.wait()
-        log.info("shutting down: NOT_SERVING, grace %.1fs", cfg.grace_seconds)
-        await health_servicer.enter_graceful_shutdown()
-        stopping.set()
-        await server.stop(cfg.grace_seconds)
-    finally:
-        if core.host is not None:
-            await core.host.engine.drain()
-            core.host.engine.close()
-        if core.events is not None:
-            await core.events.close()
-        for p in core.device_pools + ([core.host_pool] if core.host_pool else []):
-            p.close()
-        for path in sockets:
-            if os.path.exists(path):
-                os.unlink(path)
+    await done.wait()
+    log.info("shutting down: NOT_SERVING, grace %.1fs", cfg.grace_seconds)
+    await health_servicer.enter_graceful_shutdown()
+    stopping.set()
+    await server.stop(cfg.grace_seconds)
 
 
 def run(cfg: Config) -> None:

@@ -44,6 +44,7 @@ SERVE_FLAGS = [
     ("--tls-key", dict()),
     ("--allow-remote", dict(action="store_const", const=True, help="listen beyond loopback without a token")),
     ("--grace-seconds", dict(type=float)),
+    ("--prefault", dict(action="store_const", const=True, help="touch every pool page at start")),
 ]
 
 
@@ -60,11 +61,12 @@ def cmd_serve(args) -> None:
     from .app import run
     from .config import ConfigError, load
     flags = {name[2:].replace("-", "_"): getattr(args, name[2:].replace("-", "_")) for name, _ in SERVE_FLAGS}
+    from .app import StartupError
     try:
         cfg = load(flags)
-    except ConfigError as e:
+        run(cfg)
+    except (ConfigError, StartupError) as e:
         raise UsageError(str(e)) from None
-    run(cfg)
 
 
 def cmd_health(args) -> None:

@@ -49,6 +49,7 @@ class Config:
     tls_key: Optional[str] = None
     allow_remote: bool = False  # bind TCP beyond loopback without a token
     grace_seconds: float = 5.0
+    prefault: bool = False  # touch every pool page at start, so a memory shortage shows there
     config: Optional[str] = None
 
     def summary(self) -> str:

@@ -67,3 +67,38 @@ def test_unreachable_server_is_one_line_and_status_1(cmd, tmp_path):
 def test_health_answers_serving(server):
     r = _run(["health", "--target", server.target])
     assert r.returncode == 0 and r.stdout.strip() == "SERVING"
+
+
+def _segments() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("radixd-")}
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--num-slots", "4000000", "--layers", "32", "--kv-heads", "8", "--head-dim", "128"], "--num-slots"),
+    (["--num-slots", "100000000000"], "--num-slots"),
+    (["--num-slots", "4096", "--host-mem", "900TiB"], "--host-slots / --host-mem / --host-ratio"),
+])
+def test_pools_that_cannot_be_backed_are_refused_at_start(argv, flag, tmp_path):
+    before = _segments()
+    r = _run(["serve", "--listen", f"unix:{tmp_path}/s.sock", *argv])
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    line = r.stderr.strip().splitlines()[-1]
+    assert "of shared memory" in line and "GB free" in line and flag in line, line
+    assert _segments() <= before and not os.path.exists(tmp_path / "s.sock")
+
+
+def test_a_failed_start_after_the_pools_leaves_nothing_behind(tmp_path):
+    before = _segments()
+    r = _run(["serve", "--num-slots", "4096", "--host-slots", "4096", "--listen", f"unix:{tmp_path}/no/such/dir.sock"])
+    assert r.returncode == 2 and "cannot listen there" in r.stderr and "Traceback" not in r.stderr
+    assert _segments() <= before  # the device and host pools were created, then removed
+
+
+def test_prefault_starts_and_serves(tmp_path):
+    from .conftest import ServerProc
+    s = ServerProc("--num-slots", "65536", "--host-slots", "65536", "--prefault")
+    try:
+        r = _run(["health", "--target", s.target])
+        assert r.returncode == 0
+    finally:
+        s.stop()

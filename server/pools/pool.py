@@ -51,6 +51,12 @@ class KVPool:
             layout=spec.layout, buffers=tuple(BufferDesc(n, o, s) for n, o, s in table), gpu_uuid=uuid,
             device_index=device_index if backend == "cuda" else -1, pinned=bool(self._pinned_at))
 
+    def prefault(self) -> None:
+        """Touch every memory page now, so a shortage shows at start and not in a worker (SIGBUS)."""
+        if self._region is not None:
+            raw = np.frombuffer(self._region.mm, dtype=np.uint8)
+            raw[::4096] = 0
+
     def layer(self, layer: int, kind: str = "k") -> Any:
         """Buffer of one layer: [slots, heads, dim] (layer_first) or [pages, page, heads, dim] (page_first)."""
         if self.spec.layout == "page_first":

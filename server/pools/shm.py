@@ -31,6 +31,10 @@ class ShmRegion:
                 os.ftruncate(fd, size)
             self.size = os.fstat(fd).st_size
             self.mm = mmap.mmap(fd, self.size)
+        except BaseException:
+            if create:  # a failed start leaves no segment behind
+                os.unlink(self.path)
+            raise
         finally:
             os.close(fd)
         self.owner = create
@@ -47,6 +51,20 @@ class ShmRegion:
             except FileNotFoundError:
                 pass
             self.owner = False
+
+
+def _mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 1 << 62  # pragma: no cover - not Linux: trust the shm mount alone
+
+
+def shm_room() -> tuple[int, int]:
+    """(bytes free on the shm mount, bytes of memory available): what shared-memory pools can use."""
+    st = os.statvfs(SHM_DIR)
+    return st.f_bavail * st.f_frsize, _mem_available()
 
 
 def pid_alive(pid: int) -> bool:
