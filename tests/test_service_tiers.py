@@ -1,7 +1,6 @@
 """The host tier through the real server: backups, demotion, load-back byte for byte, write-back, bad input."""
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 
 import numpy as np
@@ -10,9 +9,9 @@ import pytest
 from radixd.client import CacheClient, FailedPrecondition, InvalidArgument, NotFound
 
 from .conftest import ServerProc
+from .test_pools import _run as _in_process  # a spawned process that answers through a queue
 from .test_service import conserved as device_conserved
 
-CTX = mp.get_context("spawn")
 
 
 def conserved(c: CacheClient) -> dict:
@@ -54,15 +53,6 @@ def _read(target, slots, tokens, q):
             ok &= bool(np.array_equal(v, np.broadcast_to(-want[:, None, None], v.shape)))
         pools.close()
     q.put(ok)
-
-
-def _in_process(fn, *args):
-    q = CTX.Queue()
-    p = CTX.Process(target=fn, args=(*args, q))
-    p.start()
-    out = q.get(timeout=120)
-    p.join(30)
-    return out
 
 
 def _server(page: int, layout: str, policy: str, slots: int = 256, host: int = 1024, *extra: str) -> ServerProc:
