@@ -41,6 +41,12 @@ class TieredMachine(RuleBasedStateMachine):
         self.d.evict(n * (self.page if self.page > 2 else 1))
         self.d.m.invariants(self.d.tree)
 
+    @rule(tokens=TOKENS, ns=st.sampled_from(NAMESPACES), meanwhile=st.booleans())
+    def host_insert(self, tokens, ns, meanwhile):
+        toks = self._tokens(tokens)
+        self.d.host_insert(toks, ns, (lambda: self.d.insert(toks + [3] * self.page, ns)) if meanwhile else None)
+        self.d.m.invariants(self.d.tree)
+
     @rule(n=st.integers(1, 40))
     def evict_host(self, n):
         self.d.evict_host(n * (self.page if self.page > 2 else 1))
@@ -109,7 +115,7 @@ def test_seeded_long_fuzz(policy, page):
             d.drain()
     c = d.tree.counters
     assert c.demoted_tokens and c.load_back_tokens and c.backup_tokens and c.evicted_tokens_host
-    assert c.host_hit_tokens and c.hit_tokens
+    assert c.host_hit_tokens and c.hit_tokens and c.storage_inserted_tokens
 
 
 @pytest.mark.parametrize("policy", WRITE_POLICIES)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from radixd.server.tree import InFlight, RadixTree, StateConflict, UnknownReceipt
+from radixd.server.tree import hashes as _hashes
 
 NAMESPACES = [("", ""), ("lora", ""), ("", "salt")]
 HOST_BASE = 1_000_000  # host slots live in another range so a tier mix-up cannot go unnoticed
@@ -437,13 +438,60 @@ class Driver:
     def evict_host(self, want: int) -> None:
         self._apply_host_evict(self.tree.evict_host(want), want)
 
+    def host_insert(self, tokens, ns, meanwhile=None) -> None:
+        """A prefetch from L3 as the engine runs it: match, lock the anchor, make host room, (other work
+        meanwhile), insert the fetched pages host-only below the anchor, unlock."""
+        m, t = self.m, self.tree
+        slots, dkeys, hkeys = m.match(ns, tokens)
+        start = len(slots) + len(hkeys)
+        n = len(tokens) - len(tokens) % self.page
+        if n <= start:
+            return
+        r = t.match_prefix(tokens, ns)
+        anchor = r.best_node_id if start else t.root_id(ns)
+        rec = t.lock(anchor)
+        m.receipts.add(rec)
+        m.dlocks[rec] = set(dkeys)
+        m.hlocks[rec] = set(hkeys)
+        ns_, prior = t.chain_prior(anchor)
+        assert ns_ == ns
+        rest = np.asarray(tokens[start:n], dtype="<i4")
+        digests = _hashes.chain(rest.tobytes(), self.page * 4, prior)
+        if self._host_room(n - start):
+            if meanwhile is not None:
+                meanwhile()
+            hs = m.fresh_host(n - start)
+            tb = bytes(tokens)
+            keys = [m.key(ns, tb, i) for i in range(start, n)]
+            pre = 0
+            while pre < len(keys) and (keys[pre] in m.dev or keys[pre] in m.host):
+                pre += 1
+            attach = m.key(ns, tb, start + pre - 1) if start + pre else None
+            drop = (pre < len(keys) and t._through and attach is not None
+                    and (attach not in m.host or attach in m.pending()))
+            res = t.insert_host(anchor, rest, hs, digests)
+            assert res.prefix_len == pre
+            assert res.duplicates.tolist() == hs[:pre].tolist()
+            if drop or pre == len(keys):
+                assert res.adopted.size == 0 and res.dropped.tolist() == hs[pre:].tolist()[:res.dropped.size]
+            else:
+                assert res.adopted.tolist() == hs[pre:].tolist() and res.dropped.size == 0
+                for k, s in zip(keys[pre:], hs[pre:].tolist()):
+                    m.host[k] = s
+            m.invariants(t)
+        self.unlock(rec)
+
     def step(self, tokens, ns) -> None:
         """One random operation, then the full comparison."""
         m, rng = self.m, self.rng
         op = rng.choice(["insert"] * 4 + ["match"] * 4 + ["unlock", "evict", "evict", "evict_host", "finish_backup",
                                                          "finish_backup", "finish_load", "abort"]
+                        + (["host_insert"] if self.tree.host else [])
                         + (["reset"] if rng.random() < 0.01 else []))
-        if op == "insert":
+        if op == "host_insert":
+            other = list(tokens) + [rng.randrange(4) for _ in range(self.page * rng.randrange(3))]
+            self.host_insert(tokens, ns, (lambda: self.insert(other, ns)) if rng.random() < 0.3 else None)
+        elif op == "insert":
             self.insert(tokens, ns, chunked=rng.random() < 0.15)
         elif op == "match":
             self.match(tokens, ns)

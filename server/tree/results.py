@@ -56,6 +56,18 @@ class InsertResult:
 
 
 @dataclass(slots=True)
+class HostInsertResult:
+    """insert_host: the first `prefix_len` tokens were cached already (their host slots are duplicates);
+    `adopted` host slots now belong to the tree; `dropped` ones (write-through closure) go back too."""
+
+    prefix_len: int
+    node_id: int
+    duplicates: np.ndarray
+    adopted: np.ndarray
+    dropped: np.ndarray
+
+
+@dataclass(slots=True)
 class EvictResult:
     """Slots released by eviction (device or host, per call); the caller returns them to the allocator."""
 
@@ -63,6 +75,7 @@ class EvictResult:
     evicted_tokens: int
     write_backs: tuple[BackupAction, ...] = ()  # write-back: copies that must finish before more is freed
     demoted_tokens: int = 0  # of evicted_tokens, how many stay cached on host
+    spilled: tuple = ()  # evict_host(spill=True): (namespace, host slots, digests) of each evicted host node
 
     @property
     def write_back_tokens(self) -> int:
@@ -108,3 +121,4 @@ class TreeCounters:
     backup_tokens: int = 0
     load_back_tokens: int = 0
     reclaimed_host_tokens: int = 0
+    storage_inserted_tokens: int = 0

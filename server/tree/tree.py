@@ -40,6 +40,7 @@ from . import hashes as _hashes
 from .events import CPU, GPU, AllBlocksCleared, BlockRemoved, BlockStored, Event, EventQueue
 from .policies import DEFAULT_SLRU_THRESHOLD, policy_key
 from .results import _EMPTY, BackupAction, EvictResult, FreedSlots, InsertResult, MatchResult, TreeCounters, _slots
+from .storage import StorageMixin
 from .transfers import BackupOp, LoadOp, TransferMixin
 
 Namespace = tuple[str, str]
@@ -72,7 +73,7 @@ def bigram_keys(tokens: np.ndarray) -> np.ndarray:
     return (hi | (tokens[1:].astype(np.int64) & 0xFFFFFFFF)).astype("<i8", copy=False)
 
 
-class RadixTree(TransferMixin):
+class RadixTree(TransferMixin, StorageMixin):
     """SGLang-style two-tier radix cache over packed numpy buffers; pure: no I/O, no frees, no copies."""
 
     def __init__(self, page_size: int = 1, policy: str = "lru", bigram: bool = False, instance_tag: int = 0,
@@ -138,9 +139,7 @@ class RadixTree(TransferMixin):
             missing.append(w)
             w = w.parent
         if w.parent is None:
-            prior = self._seeds.get(w.ns, b"")
-            if prior == b"":
-                prior = self._seeds[w.ns] = _hashes.salt_seed(w.ns[1])
+            prior = self._seed(w.ns)
         else:
             prior = w.hashes[-32:]
         for nd in reversed(missing):
@@ -692,10 +691,12 @@ class RadixTree(TransferMixin):
             self._heap = self._rebuild(leaves, "dver")
         return EvictResult(_slots(freed), count)
 
-    def evict_host(self, num_tokens: int) -> EvictResult:
+    def evict_host(self, num_tokens: int, spill: bool = False) -> EvictResult:
         """Free host slots: under write-back reclaim copies of device-resident nodes first (R1.23), then
-        delete host-only leaves in policy order; parents become leaves in turn, empty roots go."""
+        delete host-only leaves in policy order; parents become leaves in turn, empty roots go. With
+        `spill`, the deleted host-only pages are described (namespace, slots, digests) for L3 write-back."""
         freed: list[bytes] = []
+        spilled: list[tuple] = []
         count = 0
         if self.write_back and self._coexist:
             self._coexist = {nd for nd in self._coexist if nd.value is not None and nd.host_value is not None
@@ -722,6 +723,8 @@ class RadixTree(TransferMixin):
             freed.append(value)
             count += len(value) >> 2
             self.counters.evicted_tokens_host += len(value) >> 2
+            if spill:
+                spilled.append((node.ns, np.frombuffer(value, "<i4"), self._digests(node)))
             if self._ev is not None:
                 self._removed(node, CPU)
             self._set_host(node, None)
@@ -730,7 +733,7 @@ class RadixTree(TransferMixin):
             self._tombstone(parent)
         if len(heap) > 2 * len(leaves) + 1024:
             self._hheap = self._rebuild(leaves, "hver")
-        return EvictResult(_slots(freed), count)
+        return EvictResult(_slots(freed), count, spilled=tuple(spilled))
 
     @staticmethod
     def _reclaimable(nd: Node) -> bool:
