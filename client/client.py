@@ -138,6 +138,11 @@ class CacheClient(_Base):
         return codec.matches(self._call("MatchPrefix", codec.match_request(self.session_id, keys, lock, extra_key,
                                                                            cache_salt)))
 
+    def prefetch(self, keys: Sequence[Any], *, wait: bool = False, extra_key: str = "",
+                 cache_salt: str = "") -> list[codec.Prefetched]:
+        """Start fetching each key's uncached part from the L3 store (a request was queued)."""
+        return codec.prefetched(self._call("Prefetch", codec.prefetch_request(keys, wait, extra_key, cache_salt)))
+
     def lock(self, node_ids: Sequence[int]) -> list[int]:
         return list(self._call("Lock", pb.LockRequest(session_id=self.session_id, node_id=list(node_ids))).receipt_id)
 
@@ -178,6 +183,11 @@ class CacheClient(_Base):
         r = self._call("WaitTransfers", pb.WaitTransfersRequest(transfer_ids=list(transfer_ids),
                                                                  timeout_ms=timeout_ms))
         return list(r.completed), list(r.failed)
+
+    def wait_storage(self, transfer_ids: Sequence[int] = (), timeout_ms: int = 10_000) -> bool:
+        """Wait for these copies, then until no L3 write or prefetch is left; True if L3 went idle."""
+        return self._call("WaitTransfers", pb.WaitTransfersRequest(transfer_ids=list(transfer_ids),
+                                                                    timeout_ms=timeout_ms, storage=True)).storage_idle
 
     def stats(self) -> dict[str, int]:
         return codec.stats_dict(self._call("GetStats", pb.GetStatsRequest()))
@@ -279,6 +289,11 @@ class AsyncCacheClient(_Base):
 
     async def match_prefix(self, tokens: Any, **kw) -> codec.Match:
         return (await self.match_batch([tokens], **kw))[0]
+
+    async def prefetch(self, keys: Sequence[Any], *, wait: bool = False, extra_key: str = "",
+                       cache_salt: str = "") -> list[codec.Prefetched]:
+        return codec.prefetched(await self._call("Prefetch", codec.prefetch_request(keys, wait, extra_key,
+                                                                                   cache_salt)))
 
     async def unlock(self, receipt_ids: Sequence[int]) -> None:
         await self._call("Unlock", pb.UnlockRequest(session_id=self.session_id, receipt_id=list(receipt_ids)))

@@ -42,6 +42,24 @@ class Match:
     node_id: int
     receipt_id: int
     best_node_id: int = 0
+    prefetch_len: int = 0  # tokens an L3 prefetch is fetching beyond the host prefix (at most)
+
+
+@dataclass(frozen=True)
+class Prefetched:
+    """Prefetch result: tokens being fetched from L3, and (with wait) the cached prefix after the fetch."""
+
+    prefetch_len: int
+    host_len: int
+
+
+def prefetch_request(keys: Sequence[Any], wait: bool, extra_key: str, cache_salt: str):
+    return pb.PrefetchRequest(wait=wait, items=[
+        pb.PrefetchItem(tokens=tokens_bytes(k), extra_key=extra_key, cache_salt=cache_salt) for k in keys])
+
+
+def prefetched(resp) -> list[Prefetched]:
+    return [Prefetched(r.prefetch_len, r.host_len) for r in resp.results]
 
 
 @dataclass(frozen=True)
@@ -76,7 +94,7 @@ def match_request(session_id: str, keys: Sequence[Any], lock: bool, extra_key: s
 
 def matches(resp) -> list[Match]:
     return [Match(slots_array(r.device_indices), r.matched_len, r.host_hit_len, r.node_id, r.receipt_id,
-                  r.best_node_id) for r in resp.results]
+                  r.best_node_id, r.prefetch_len) for r in resp.results]
 
 
 def insert_items(items: Iterable[dict], finished: bool) -> list:
@@ -113,7 +131,7 @@ def stats_dict(msg) -> dict[str, int]:
 def info_dict(msg) -> dict[str, Any]:
     return dict(instance_id=msg.instance_id, page_size=msg.page_size, eviction_policy=msg.eviction_policy,
                 version=msg.version, capacity_tokens=msg.capacity_tokens, max_batch_tokens=msg.max_batch_tokens,
-                write_policy=msg.write_policy,
+                write_policy=msg.write_policy, storage=msg.storage, storage_format=msg.storage_format,
                 device_pools=[descriptor(p) for p in msg.device_pools],
                 host_pool=descriptor(msg.host_pool) if msg.HasField("host_pool") else None)
 

@@ -59,7 +59,7 @@ class PoolDescriptor(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., tier: _Optional[str] = ..., backend: _Optional[str] = ..., handle: _Optional[bytes] = ..., size_bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., page_size: _Optional[int] = ..., num_slots: _Optional[int] = ..., mla: _Optional[bool] = ..., layout: _Optional[str] = ..., buffers: _Optional[_Iterable[_Union[BufferDescriptor, _Mapping]]] = ..., gpu_uuid: _Optional[str] = ..., device_index: _Optional[int] = ..., pinned: _Optional[bool] = ...) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("instance_id", "page_size", "device_pools", "host_pool", "eviction_policy", "version", "capacity_tokens", "max_batch_tokens", "write_policy")
+    __slots__ = ("instance_id", "page_size", "device_pools", "host_pool", "eviction_policy", "version", "capacity_tokens", "max_batch_tokens", "write_policy", "storage", "storage_format")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_POOLS_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +69,8 @@ class ServerInfo(_message.Message):
     CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     WRITE_POLICY_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_FORMAT_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     page_size: int
     device_pools: _containers.RepeatedCompositeFieldContainer[PoolDescriptor]
@@ -78,7 +80,9 @@ class ServerInfo(_message.Message):
     capacity_tokens: int
     max_batch_tokens: int
     write_policy: str
-    def __init__(self, instance_id: _Optional[str] = ..., page_size: _Optional[int] = ..., device_pools: _Optional[_Iterable[_Union[PoolDescriptor, _Mapping]]] = ..., host_pool: _Optional[_Union[PoolDescriptor, _Mapping]] = ..., eviction_policy: _Optional[str] = ..., version: _Optional[str] = ..., capacity_tokens: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., write_policy: _Optional[str] = ...) -> None: ...
+    storage: str
+    storage_format: str
+    def __init__(self, instance_id: _Optional[str] = ..., page_size: _Optional[int] = ..., device_pools: _Optional[_Iterable[_Union[PoolDescriptor, _Mapping]]] = ..., host_pool: _Optional[_Union[PoolDescriptor, _Mapping]] = ..., eviction_policy: _Optional[str] = ..., version: _Optional[str] = ..., capacity_tokens: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., write_policy: _Optional[str] = ..., storage: _Optional[str] = ..., storage_format: _Optional[str] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
     __slots__ = ("client_name",)
@@ -201,26 +205,60 @@ class MatchRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[MatchItem, _Mapping]]] = ...) -> None: ...
 
 class MatchResult(_message.Message):
-    __slots__ = ("device_indices", "matched_len", "host_hit_len", "node_id", "receipt_id", "best_node_id")
+    __slots__ = ("device_indices", "matched_len", "host_hit_len", "node_id", "receipt_id", "best_node_id", "prefetch_len")
     DEVICE_INDICES_FIELD_NUMBER: _ClassVar[int]
     MATCHED_LEN_FIELD_NUMBER: _ClassVar[int]
     HOST_HIT_LEN_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     RECEIPT_ID_FIELD_NUMBER: _ClassVar[int]
     BEST_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_LEN_FIELD_NUMBER: _ClassVar[int]
     device_indices: bytes
     matched_len: int
     host_hit_len: int
     node_id: int
     receipt_id: int
     best_node_id: int
-    def __init__(self, device_indices: _Optional[bytes] = ..., matched_len: _Optional[int] = ..., host_hit_len: _Optional[int] = ..., node_id: _Optional[int] = ..., receipt_id: _Optional[int] = ..., best_node_id: _Optional[int] = ...) -> None: ...
+    prefetch_len: int
+    def __init__(self, device_indices: _Optional[bytes] = ..., matched_len: _Optional[int] = ..., host_hit_len: _Optional[int] = ..., node_id: _Optional[int] = ..., receipt_id: _Optional[int] = ..., best_node_id: _Optional[int] = ..., prefetch_len: _Optional[int] = ...) -> None: ...
 
 class MatchResponse(_message.Message):
     __slots__ = ("results",)
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[MatchResult]
     def __init__(self, results: _Optional[_Iterable[_Union[MatchResult, _Mapping]]] = ...) -> None: ...
+
+class PrefetchItem(_message.Message):
+    __slots__ = ("tokens", "extra_key", "cache_salt")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_KEY_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    tokens: bytes
+    extra_key: str
+    cache_salt: str
+    def __init__(self, tokens: _Optional[bytes] = ..., extra_key: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+
+class PrefetchRequest(_message.Message):
+    __slots__ = ("items", "wait")
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[PrefetchItem]
+    wait: bool
+    def __init__(self, items: _Optional[_Iterable[_Union[PrefetchItem, _Mapping]]] = ..., wait: _Optional[bool] = ...) -> None: ...
+
+class PrefetchResult(_message.Message):
+    __slots__ = ("prefetch_len", "host_len")
+    PREFETCH_LEN_FIELD_NUMBER: _ClassVar[int]
+    HOST_LEN_FIELD_NUMBER: _ClassVar[int]
+    prefetch_len: int
+    host_len: int
+    def __init__(self, prefetch_len: _Optional[int] = ..., host_len: _Optional[int] = ...) -> None: ...
+
+class PrefetchResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[PrefetchResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[PrefetchResult, _Mapping]]] = ...) -> None: ...
 
 class LockRequest(_message.Message):
     __slots__ = ("session_id", "node_id")
@@ -363,27 +401,31 @@ class LoadBackResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[LoadBackResult, _Mapping]]] = ...) -> None: ...
 
 class WaitTransfersRequest(_message.Message):
-    __slots__ = ("transfer_ids", "timeout_ms")
+    __slots__ = ("transfer_ids", "timeout_ms", "storage")
     TRANSFER_IDS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_FIELD_NUMBER: _ClassVar[int]
     transfer_ids: _containers.RepeatedScalarFieldContainer[int]
     timeout_ms: int
-    def __init__(self, transfer_ids: _Optional[_Iterable[int]] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+    storage: bool
+    def __init__(self, transfer_ids: _Optional[_Iterable[int]] = ..., timeout_ms: _Optional[int] = ..., storage: _Optional[bool] = ...) -> None: ...
 
 class WaitTransfersResponse(_message.Message):
-    __slots__ = ("completed", "failed")
+    __slots__ = ("storage_idle", "completed", "failed")
+    STORAGE_IDLE_FIELD_NUMBER: _ClassVar[int]
     COMPLETED_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
+    storage_idle: bool
     completed: _containers.RepeatedScalarFieldContainer[int]
     failed: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, completed: _Optional[_Iterable[int]] = ..., failed: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, storage_idle: _Optional[bool] = ..., completed: _Optional[_Iterable[int]] = ..., failed: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("capacity_tokens", "free_tokens", "cached_tokens", "evictable_tokens", "protected_tokens", "held_tokens", "in_flight_tokens", "num_nodes", "sessions", "hit_tokens_total", "queried_tokens_total", "evicted_tokens_total", "host_capacity_tokens", "host_free_tokens", "host_cached_tokens", "receipts", "host_evictable_tokens", "host_protected_tokens", "host_in_flight_tokens", "host_hit_tokens_total", "backup_tokens_total", "load_back_tokens_total", "host_evicted_tokens_total", "transfers_in_flight", "transfer_failures_total")
+    __slots__ = ("capacity_tokens", "free_tokens", "cached_tokens", "evictable_tokens", "protected_tokens", "held_tokens", "in_flight_tokens", "num_nodes", "sessions", "hit_tokens_total", "queried_tokens_total", "evicted_tokens_total", "host_capacity_tokens", "host_free_tokens", "host_cached_tokens", "receipts", "host_evictable_tokens", "host_protected_tokens", "host_in_flight_tokens", "host_hit_tokens_total", "backup_tokens_total", "load_back_tokens_total", "host_evicted_tokens_total", "transfers_in_flight", "transfer_failures_total", "storage_hit_tokens_total", "storage_put_pages_total", "storage_get_pages_total", "storage_put_skipped_pages_total", "storage_put_bytes_total", "storage_get_bytes_total", "storage_errors_total", "prefetches_in_flight")
     CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FREE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -409,6 +451,14 @@ class Stats(_message.Message):
     HOST_EVICTED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     TRANSFERS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_FAILURES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_HIT_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_PUT_PAGES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_GET_PAGES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_PUT_SKIPPED_PAGES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_PUT_BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_GET_BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_ERRORS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PREFETCHES_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     capacity_tokens: int
     free_tokens: int
     cached_tokens: int
@@ -434,7 +484,15 @@ class Stats(_message.Message):
     host_evicted_tokens_total: int
     transfers_in_flight: int
     transfer_failures_total: int
-    def __init__(self, capacity_tokens: _Optional[int] = ..., free_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., evictable_tokens: _Optional[int] = ..., protected_tokens: _Optional[int] = ..., held_tokens: _Optional[int] = ..., in_flight_tokens: _Optional[int] = ..., num_nodes: _Optional[int] = ..., sessions: _Optional[int] = ..., hit_tokens_total: _Optional[int] = ..., queried_tokens_total: _Optional[int] = ..., evicted_tokens_total: _Optional[int] = ..., host_capacity_tokens: _Optional[int] = ..., host_free_tokens: _Optional[int] = ..., host_cached_tokens: _Optional[int] = ..., receipts: _Optional[int] = ..., host_evictable_tokens: _Optional[int] = ..., host_protected_tokens: _Optional[int] = ..., host_in_flight_tokens: _Optional[int] = ..., host_hit_tokens_total: _Optional[int] = ..., backup_tokens_total: _Optional[int] = ..., load_back_tokens_total: _Optional[int] = ..., host_evicted_tokens_total: _Optional[int] = ..., transfers_in_flight: _Optional[int] = ..., transfer_failures_total: _Optional[int] = ...) -> None: ...
+    storage_hit_tokens_total: int
+    storage_put_pages_total: int
+    storage_get_pages_total: int
+    storage_put_skipped_pages_total: int
+    storage_put_bytes_total: int
+    storage_get_bytes_total: int
+    storage_errors_total: int
+    prefetches_in_flight: int
+    def __init__(self, capacity_tokens: _Optional[int] = ..., free_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., evictable_tokens: _Optional[int] = ..., protected_tokens: _Optional[int] = ..., held_tokens: _Optional[int] = ..., in_flight_tokens: _Optional[int] = ..., num_nodes: _Optional[int] = ..., sessions: _Optional[int] = ..., hit_tokens_total: _Optional[int] = ..., queried_tokens_total: _Optional[int] = ..., evicted_tokens_total: _Optional[int] = ..., host_capacity_tokens: _Optional[int] = ..., host_free_tokens: _Optional[int] = ..., host_cached_tokens: _Optional[int] = ..., receipts: _Optional[int] = ..., host_evictable_tokens: _Optional[int] = ..., host_protected_tokens: _Optional[int] = ..., host_in_flight_tokens: _Optional[int] = ..., host_hit_tokens_total: _Optional[int] = ..., backup_tokens_total: _Optional[int] = ..., load_back_tokens_total: _Optional[int] = ..., host_evicted_tokens_total: _Optional[int] = ..., transfers_in_flight: _Optional[int] = ..., transfer_failures_total: _Optional[int] = ..., storage_hit_tokens_total: _Optional[int] = ..., storage_put_pages_total: _Optional[int] = ..., storage_get_pages_total: _Optional[int] = ..., storage_put_skipped_pages_total: _Optional[int] = ..., storage_put_bytes_total: _Optional[int] = ..., storage_get_bytes_total: _Optional[int] = ..., storage_errors_total: _Optional[int] = ..., prefetches_in_flight: _Optional[int] = ...) -> None: ...
 
 class CheckInvariantsRequest(_message.Message):
     __slots__ = ()

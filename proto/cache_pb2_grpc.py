@@ -109,6 +109,11 @@ class RadixCacheStub:
                 request_serializer=radixd_dot_proto_dot_cache__pb2.LoadBackRequest.SerializeToString,
                 response_deserializer=radixd_dot_proto_dot_cache__pb2.LoadBackResponse.FromString,
                 _registered_method=True)
+        self.Prefetch = channel.unary_unary(
+                '/radixd.v1.RadixCache/Prefetch',
+                request_serializer=radixd_dot_proto_dot_cache__pb2.PrefetchRequest.SerializeToString,
+                response_deserializer=radixd_dot_proto_dot_cache__pb2.PrefetchResponse.FromString,
+                _registered_method=True)
         self.WaitTransfers = channel.unary_unary(
                 '/radixd.v1.RadixCache/WaitTransfers',
                 request_serializer=radixd_dot_proto_dot_cache__pb2.WaitTransfersRequest.SerializeToString,
@@ -220,6 +225,13 @@ class RadixCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Prefetch(self, request, context):
+        """Start fetching from the L3 store what lies beyond each key's cached prefix (a request was queued).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def WaitTransfers(self, request, context):
         """Which of these transfers are done (waits up to timeout_ms for all of them).
         """
@@ -318,6 +330,11 @@ def add_RadixCacheServicer_to_server(servicer, server):
                     servicer.LoadBack,
                     request_deserializer=radixd_dot_proto_dot_cache__pb2.LoadBackRequest.FromString,
                     response_serializer=radixd_dot_proto_dot_cache__pb2.LoadBackResponse.SerializeToString,
+            ),
+            'Prefetch': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prefetch,
+                    request_deserializer=radixd_dot_proto_dot_cache__pb2.PrefetchRequest.FromString,
+                    response_serializer=radixd_dot_proto_dot_cache__pb2.PrefetchResponse.SerializeToString,
             ),
             'WaitTransfers': grpc.unary_unary_rpc_method_handler(
                     servicer.WaitTransfers,
@@ -740,6 +757,33 @@ class RadixCache:
             '/radixd.v1.RadixCache/LoadBack',
             radixd_dot_proto_dot_cache__pb2.LoadBackRequest.SerializeToString,
             radixd_dot_proto_dot_cache__pb2.LoadBackResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prefetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/radixd.v1.RadixCache/Prefetch',
+            radixd_dot_proto_dot_cache__pb2.PrefetchRequest.SerializeToString,
+            radixd_dot_proto_dot_cache__pb2.PrefetchResponse.FromString,
             options,
             channel_credentials,
             insecure,

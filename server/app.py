@@ -117,8 +117,39 @@ def build_core(cfg: Config, instance_id: str) -> CacheCore:
         engine = TransferEngine()
         engine.fail_next = int(os.environ.get("RADIXD_TEST_FAIL_COPIES", "0"))  # tests: the first N copies fail
         host = HostTier(tree, alloc, device_pools[0], host_alloc, host_pool, engine)
-    return CacheCore(tree, alloc, instance_id, device_pools, host_pool, host_alloc, max_batch_tokens=cfg.num_slots,
+    core = CacheCore(tree, alloc, instance_id, device_pools, host_pool, host_alloc, max_batch_tokens=cfg.num_slots,
                      host=host)
+    if cfg.storage:
+        try:
+            attach_storage(cfg, core, spec)
+        except BaseException:
+            for p in pools:
+                p.close()
+            raise
+    return core
+
+
+def attach_storage(cfg: Config, core: CacheCore, spec: PoolSpec) -> None:
+    """Open the L3 store and put the storage tier behind the host tier (a bad URL fails the start)."""
+    from .storage import StorageTier, format_descriptor, format_tag, open_store
+    if core.host is None:
+        raise StartupError(f"--storage {cfg.storage}: L3 needs the host tier (give --host-slots, --host-mem or "
+                           "--host-ratio)")
+    if cfg.bigram:
+        raise StartupError("--storage with --bigram is not supported (EAGLE bigram keys have no storage format)")
+    try:
+        store = open_store(cfg.storage, spec.slot_bytes * spec.page_size)
+    except ValueError as e:
+        raise StartupError(f"--storage: {e}") from None
+    fmt = format_tag(spec, cfg.model_id)
+    core.host.storage = core.storage = StorageTier(
+        store, core.host, fmt, cfg.storage_write_policy, cfg.prefetch_threshold, cfg.prefetch_policy,
+        cfg.prefetch_timeout_ms)
+    core.storage_format = fmt
+    log.info("storage %s format %s (%s)", store.describe(), fmt, format_descriptor(spec, cfg.model_id))
+    if not cfg.model_id:
+        log.warning("storage without --model-id: servers of different models with the same KV geometry would "
+                    "share pages; name the model")
 
 
 async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
@@ -132,6 +163,9 @@ async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
     try:
         await _run(cfg, core, instance_id, sockets, ready)
     finally:  # every exit, a failed start included, leaves no segment and no socket file behind
+        if core.storage is not None:
+            await core.storage.drain()
+            core.storage.close()
         if core.host is not None:
             await core.host.engine.drain()
             core.host.engine.close()
@@ -153,6 +187,8 @@ async def _run(cfg: Config, core: CacheCore, instance_id: str, sockets: list[str
                                     cfg.kv_events_replay_endpoint, cfg.kv_events_topic,
                                     cfg.kv_events_watcher_queue))
         await core.events.start()
+    if core.storage is not None and core.events is not None:
+        core.storage.on_change = core.events.flush  # prefetched pages are published as they land
     stopping = asyncio.Event()
     msg_limit = max(64 << 20, cfg.num_slots * 16 + (1 << 20))
     options = [("grpc.max_receive_message_length", msg_limit), ("grpc.max_send_message_length", msg_limit),

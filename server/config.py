@@ -36,6 +36,12 @@ class Config:
     write_policy: str = "write_through"  # with a host pool: write_through | write_through_selective | write_back
     write_through_threshold: Optional[int] = None  # default 1 (write_through) or 2 (selective)
     load_back_threshold: int = 10
+    storage: str = ""  # L3: file:///DIR | valkey://HOST:PORT | redis://... | valkey+cluster://... | mooncake://MASTER
+    storage_write_policy: str = "write_through"  # to L3 on host backup (write_through) or on host eviction
+    prefetch_threshold: int = 256  # tokens beyond the host prefix that make a match fetch from L3
+    prefetch_policy: str = "best_effort"  # best_effort | wait_complete | timeout (how long a match waits)
+    prefetch_timeout_ms: int = 1000
+    model_id: str = ""  # names the model in storage keys (servers of different models never share pages)
     kv_events: bool = False  # record KV events (on by itself when a ZMQ endpoint is given)
     kv_events_endpoint: str = ""  # ZMQ PUB, e.g. tcp://127.0.0.1:5557 (vLLM / SGLang wire format)
     kv_events_replay_endpoint: str = ""  # ZMQ ROUTER answering replay requests
@@ -118,7 +124,7 @@ class ConfigError(ValueError):
 # Lower bounds of numeric settings (what a pool, a tree or a buffer can be built with).
 _MIN = {"num_slots": 1, "page_size": 1, "layers": 1, "kv_heads": 1, "head_dim": 1, "host_slots": 0,
         "host_ratio": 0.0, "write_through_threshold": 1, "load_back_threshold": 0, "kv_events_buffer": 1,
-        "kv_events_watcher_queue": 1, "grace_seconds": 0.0}
+        "kv_events_watcher_queue": 1, "grace_seconds": 0.0, "prefetch_threshold": 1, "prefetch_timeout_ms": 0}
 
 
 def _set(cfg: Config, name: str, value: Any, source: str, origin: dict[str, str]) -> None:
@@ -141,6 +147,10 @@ def _check(cfg: Config, origin: dict[str, str]) -> None:
     if cfg.num_slots % cfg.page_size:
         raise ConfigError(f"{src('num_slots')}: {cfg.num_slots} slots is not a multiple of the page size "
                           f"{cfg.page_size} ({src('page_size')})")
+    for name, allowed in (("storage_write_policy", ("write_through", "write_back")),
+                          ("prefetch_policy", ("best_effort", "wait_complete", "timeout"))):
+        if getattr(cfg, name) not in allowed:
+            raise ConfigError(f"{src(name)}: {getattr(cfg, name)!r} is not one of {', '.join(allowed)}")
     if cfg.host_mem:
         try:
             parse_bytes(cfg.host_mem)

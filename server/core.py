@@ -91,6 +91,8 @@ class CacheCore:
         self.host_alloc = host_allocator
         self.sessions = SessionTable()
         self.events = None  # the EventHub when KV events are on
+        self.storage = None  # the L3 tier (server/storage) when --storage is given
+        self.storage_format = ""
         if host is not None:
             host.on_load_done = self._load_landed
             host.engine.listeners.append(self._transfer_landed)
@@ -273,6 +275,55 @@ class CacheCore:
             out.append((m, receipt))
         return out
 
+    async def match_storage(self, s: Optional[Session], items: list[tuple[np.ndarray, Namespace, bool]]):
+        """Match with L3: start prefetches beyond each cached prefix, wait as the policy says, then match
+        (and lock) for real; returns (MatchResult, receipt, prefetch_len) per item."""
+        st = self.storage
+        ops = []
+        if st.prefetch_policy != "best_effort":
+            for tokens, ns, _ in items:
+                try:
+                    m = self.tree.match_prefix(tokens, ns)
+                except InvalidInput as e:
+                    raise BadRequest(str(e)) from None
+                ops.append(st.maybe_prefetch(ns, tokens, m.matched_len, m.host_hit_len, m.best_node_id))
+            await st.wait([op for op in ops if op is not None])
+            if s is not None:
+                self.sessions.get(s.session_id)  # the session may have ended while we waited
+        out = []
+        for i, (m, r) in enumerate(self.match(s, items)):
+            op = ops[i] if ops else None
+            if op is None or op.done.is_set():
+                tokens, ns, _ = items[i]
+                op = st.maybe_prefetch(ns, tokens, m.matched_len, m.host_hit_len, m.best_node_id)
+            out.append((m, r, op.length if op is not None and not op.done.is_set() else 0))
+        return out
+
+    async def prefetch(self, items: list[tuple[np.ndarray, Namespace]], wait: bool) -> list[tuple[int, int]]:
+        """Start L3 fetches for queued requests; with wait, hold until done (policy-bounded)."""
+        if self.storage is None:
+            return [(0, 0)] * len(items)
+        ops = []
+        for tokens, ns in items:
+            try:
+                m = self.tree.match_prefix(tokens, ns)
+            except InvalidInput as e:
+                raise BadRequest(str(e)) from None
+            ops.append(self.storage.maybe_prefetch(ns, tokens, m.matched_len, m.host_hit_len, m.best_node_id))
+        if wait:
+            policy = self.storage.prefetch_policy
+            await self.storage.wait([op for op in ops if op is not None],
+                                    "wait_complete" if policy == "best_effort" else policy)
+        out = []
+        for (tokens, ns), op in zip(items, ops):
+            length = op.length if op is not None else 0
+            cached = 0
+            if wait:
+                m = self.tree.match_prefix(tokens, ns)
+                cached = m.matched_len + m.host_hit_len
+            out.append((length, cached))
+        return out
+
     def lock(self, s: Session, node_ids: list[int]) -> list[int]:
         for nid in node_ids:
             try:
@@ -349,13 +400,15 @@ class CacheCore:
     def reset(self) -> int:
         if self.host is not None and (self.host.loads or self.host.backups):
             raise Conflict("cannot reset: transfers are in flight")
+        if self.storage is not None and self.storage.busy:
+            raise Conflict("cannot reset: L3 prefetches or writes are in flight")
         try:
             freed = self.tree.reset()
         except LocksHeld as e:
             raise Conflict(f"cannot reset: {e}") from None
         self.alloc.move(freed.device.astype(np.int64), TREE, FREE, check=False)
-        if self.host_alloc is not None:
-            self.host_alloc.move(freed.host.astype(np.int64), TREE, FREE, check=False)
+        if self.host is not None:
+            self.host._free(self.host_alloc, freed.host)
         return int(freed.device.size)
 
     def stats(self) -> dict[str, int]:
@@ -378,6 +431,8 @@ class CacheCore:
             transfers_in_flight=len(self.host.engine.active) if self.host else 0,
             transfer_failures_total=self.host.failed_transfers if self.host else 0,
         )
+        if self.storage is not None:
+            out.update(self.storage.stats())
         return out
 
     def check(self) -> list[str]:
@@ -400,6 +455,8 @@ class CacheCore:
         if self.host is not None:
             bad += self.host.check()
             loading = sum(1 for lo in self.host.loads.values() if not lo.orphaned)
+        if self.storage is not None:
+            loading -= len(self.storage.prefetches)  # each prefetch holds the server's own anchor lock
         if self.sessions.receipt_count != self.tree.num_receipts + loading:
             bad.append(f"sessions own {self.sessions.receipt_count} receipts, the tree has {self.tree.num_receipts} "
                        f"and {loading} load-backs are in flight")

@@ -60,6 +60,29 @@ class CacheCollector:
                                     value=len(core.host.engine.active))
             yield CounterMetricFamily("radixd_transfer_failures", "Copies that failed and were rolled back",
                                       value=core.host.failed_transfers)
+        st = core.storage
+        if st is not None:
+            yield CounterMetricFamily("radixd_storage_hit_tokens", "Tokens prefetched from L3 into the tree",
+                                      value=st.hit_tokens)
+            b = CounterMetricFamily("radixd_storage_bytes", "Bytes moved to (put) and from (get) L3",
+                                    labels=["direction"])
+            pages = CounterMetricFamily("radixd_storage_pages", "Pages written to, read from, or found already in L3",
+                                        labels=["direction"])
+            for d in ("put", "get"):
+                b.add_metric([d], st.bytes[d])
+                pages.add_metric([d], st.pages[d])
+            pages.add_metric(["put_skipped"], st.pages["put_skipped"])
+            yield b
+            yield pages
+            err = CounterMetricFamily("radixd_storage_errors", "L3 failures by kind", labels=["kind"])
+            for kind, n in sorted(st.errors.items()):
+                err.add_metric([kind], n)
+            yield err
+            out = CounterMetricFamily("radixd_prefetch_outcomes", "L3 prefetches by outcome", labels=["outcome"])
+            for o in sorted(set(st.outcomes) | {"completed", "truncated", "timed_out", "error"}):
+                out.add_metric([o], st.outcomes.get(o, 0))
+            yield out
+            yield GaugeMetricFamily("radixd_prefetches_in_flight", "L3 prefetches running", value=len(st.prefetches))
 
 
 class Metrics:
@@ -82,6 +105,10 @@ class Metrics:
         self.address = ""
         if core.host is not None:
             core.host.engine.listeners.append(self.observe_transfer)
+        if core.storage is not None:
+            hist = Histogram("radixd_storage_seconds", "L3 call latency", ["call"], buckets=BUCKETS + (2.5, 5.0),
+                             registry=self.registry)
+            core.storage.observe = lambda call, s: hist.labels(call).observe(s)
 
     def observe_transfer(self, t) -> None:
         """Called on the event loop when a copy lands."""

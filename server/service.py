@@ -99,7 +99,8 @@ class RadixCacheService(pb_grpc.RadixCacheServicer):
         info = pb.ServerInfo(instance_id=c.instance_id, page_size=c.alloc.page_size, eviction_policy=self.policy,
                              version=__version__, capacity_tokens=c.alloc.capacity,
                              max_batch_tokens=c.max_batch_tokens, write_policy=c.tree.write_policy or "",
-                             device_pools=[descriptor_msg(p.descriptor) for p in c.device_pools])
+                             device_pools=[descriptor_msg(p.descriptor) for p in c.device_pools],
+                             storage=c.storage.store.describe() if c.storage else "", storage_format=c.storage_format)
         if c.host_pool is not None:
             info.host_pool.CopyFrom(descriptor_msg(c.host_pool.descriptor))
         return info
@@ -146,14 +147,26 @@ class RadixCacheService(pb_grpc.RadixCacheServicer):
         return pb.InsertResponse(results=[_inserted(r) for r in res])
 
     @unary("MatchPrefix")
-    def MatchPrefix(self, request):
+    async def MatchPrefix(self, request):
         s = self.core.session(request.session_id) if request.session_id else None
         items = [(decode_tokens(it.tokens, f"item {i} tokens"), _ns(it), it.lock)
                  for i, it in enumerate(request.items)]
+        if self.core.storage is None:
+            return pb.MatchResponse(results=[
+                pb.MatchResult(device_indices=_slots(m.indices), matched_len=m.matched_len,
+                               host_hit_len=m.host_hit_len, node_id=m.node_id, receipt_id=r,
+                               best_node_id=m.best_node_id)
+                for m, r in self.core.match(s, items)])
         return pb.MatchResponse(results=[
             pb.MatchResult(device_indices=_slots(m.indices), matched_len=m.matched_len, host_hit_len=m.host_hit_len,
-                           node_id=m.node_id, receipt_id=r, best_node_id=m.best_node_id)
-            for m, r in self.core.match(s, items)])
+                           node_id=m.node_id, receipt_id=r, best_node_id=m.best_node_id, prefetch_len=pf)
+            for m, r, pf in await self.core.match_storage(s, items)])
+
+    @unary("Prefetch")
+    async def Prefetch(self, request):
+        items = [(decode_tokens(it.tokens, f"item {i} tokens"), _ns(it)) for i, it in enumerate(request.items)]
+        res = await self.core.prefetch(items, request.wait)
+        return pb.PrefetchResponse(results=[pb.PrefetchResult(prefetch_len=n, host_len=c) for n, c in res])
 
     @unary("Lock")
     def Lock(self, request):
@@ -206,8 +219,13 @@ class RadixCacheService(pb_grpc.RadixCacheServicer):
         unknown = [i for i in ids if host.engine.get(i) is None]
         if unknown:
             raise NotFound(f"unknown transfer id {unknown[0]} (never issued, or finished long ago)")
-        done = await host.engine.wait(ids, request.timeout_ms / 1000.0 if request.timeout_ms else 0)
-        return pb.WaitTransfersResponse(completed=[t.id for t in done], failed=[t.id for t in done if not t.ok])
+        timeout = request.timeout_ms / 1000.0 if request.timeout_ms else 0
+        done = await host.engine.wait(ids, timeout)
+        idle = False
+        if request.storage and self.core.storage is not None:
+            idle = await self.core.storage.idle(timeout)
+        return pb.WaitTransfersResponse(completed=[t.id for t in done], failed=[t.id for t in done if not t.ok],
+                                        storage_idle=idle)
 
     @unary("GetStats")
     def GetStats(self, request):

@@ -54,13 +54,25 @@ class HostTier:
         self.bytes = {"d2h": 0, "h2d": 0}
         self.on_transfer: Optional[Callable[[Transfer], None]] = None
         self.on_load_done: Optional[Callable[[int, str, bool, bool], None]] = None  # op, session, ok, orphaned
+        self.storage = None  # the L3 tier (server/storage) when one is configured
+        self._readers = np.zeros(host_alloc.capacity, dtype=np.int32)  # L3 writes still reading each host slot
+        self._deferred = np.zeros(host_alloc.capacity, dtype=bool)  # freed while read: free when the read ends
 
     # --------------------------------------------------------------- helpers
     def _free(self, alloc: SlotAllocator, slots: np.ndarray) -> None:
-        """Free slots whatever their state, tree-owned or in flight (the caller keeps slots a copy still writes)."""
+        """Free slots whatever their state, tree-owned or in flight (the caller keeps slots a copy still writes).
+        Host slots an L3 write still reads stay in flight until that write ends."""
         if slots.size == 0:
             return
         slots = slots.astype(np.int64)
+        if alloc is self.host_alloc and self.storage is not None:
+            busy = self._readers[slots] > 0
+            if busy.any():
+                held = slots[busy]
+                st = alloc.state[held]
+                alloc.move(held[st == TREE], TREE, IN_FLIGHT, check=False)
+                self._deferred[held] = True
+                slots = slots[~busy]
         st = alloc.state[slots]
         for state in (TREE, IN_FLIGHT):
             part = slots[st == state]
@@ -77,14 +89,39 @@ class HostTier:
         pages = self.host_alloc.pages_for(tokens)
         short = pages - self.host_alloc.free_pages()
         if short > 0:
-            r = self.tree.evict_host(short * self.page)
-            self._free(self.host_alloc, r.freed)
+            self._evicted_host(self.tree.evict_host(short * self.page, spill=self._spill))
         return self.host_alloc.free_pages() >= pages
 
     def evict_host(self, tokens: int) -> int:
-        r = self.tree.evict_host(tokens)
-        self._free(self.host_alloc, r.freed)
+        r = self.tree.evict_host(tokens, spill=self._spill)
+        self._evicted_host(r)
         return r.evicted_tokens
+
+    @property
+    def _spill(self) -> bool:
+        return self.storage is not None and self.storage.write_back
+
+    def _evicted_host(self, r) -> None:
+        if r.spilled:
+            self.storage.spill(r.spilled)  # pins the slots it reads before they are freed below
+        self._free(self.host_alloc, r.freed)
+
+    def pin_reads(self, slots: np.ndarray) -> None:
+        """An L3 write starts reading these host slots: a free must wait for unpin_reads."""
+        np.add.at(self._readers, slots, 1)
+
+    def unpin_reads(self, slots: np.ndarray) -> None:
+        """The L3 write is over: slots freed meanwhile go back to the allocator now."""
+        np.subtract.at(self._readers, slots, 1)
+        done = np.unique(slots[(self._readers[slots] == 0) & self._deferred[slots]])
+        if done.size:
+            self._deferred[done] = False
+            self.host_alloc.move(done, IN_FLIGHT, FREE, check=False)
+
+    @property
+    def deferred_frees(self) -> int:
+        """Host slots freed by the tree that an L3 write still reads."""
+        return int(self._deferred.sum())
 
     # --------------------------------------------------------------- backups
     def run_backups(self, actions: tuple[BackupAction, ...] | list[BackupAction]) -> list[Transfer]:
@@ -116,9 +153,13 @@ class HostTier:
             return
         _, hs = self.backups.pop(ack)
         if t.ok:
+            to_l3 = self.storage is not None and not self.storage.write_back
+            pages = self.tree.backup_pages(ack) if to_l3 else None
             freed = self.tree.finish_backup(ack)
             self.host_alloc.move(hs.astype(np.int64), IN_FLIGHT, TREE, check=False)
             self._free(self.dev_alloc, freed.device)  # write-back: demoted now that the host copy exists
+            if pages is not None:
+                self.storage.backup(pages[0], hs, pages[1])
             return
         self.failed_transfers += 1
         before = self.tree.pending_backups()
@@ -206,9 +247,13 @@ class HostTier:
         bad = [f"host allocator: {v}" for v in self.host_alloc.check()]
         owned = self.tree.all_host_values().astype(np.int64)
         writing = [hs for _, hs in self.backups.values()] + list(self._doomed.values())
-        n_writing = sum(int(h.size) for h in writing)
+        n_writing = sum(int(h.size) for h in writing) + self.deferred_frees
+        if self.storage is not None:
+            n_writing += self.storage.host_in_flight
+            bad += self.storage.check()
         if self.host_alloc.counts[IN_FLIGHT] != n_writing:
-            bad.append(f"host in_flight {self.host_alloc.counts[IN_FLIGHT]} != {n_writing} slots under copy")
+            bad.append(f"host in_flight {self.host_alloc.counts[IN_FLIGHT]} != {n_writing} slots under copy, "
+                       "fetch or L3 read")
         committed = sum(int(hs.size) for _, hs in self.backups.values())
         if self.host_alloc.counts[TREE] + committed != owned.size:
             bad.append(f"host allocator has {self.host_alloc.counts[TREE]} tree slots + {committed} in flight, "

@@ -29,6 +29,17 @@ BAD_SERVE = [  # (argv after `serve`, extra environment, text the one line must 
     ([], {"RADIXD_PAGE_SIZE": "abc"}, "RADIXD_PAGE_SIZE"),
     ([], {"RADIXD_NUM_SLOTS": "-3"}, "RADIXD_NUM_SLOTS"),
     (["--config", "/nonexistent/radixd.toml"], {}, "/nonexistent/radixd.toml"),
+    (["--storage", "file:///tmp/radixd-l3"], {}, "--storage"),  # L3 without a host tier
+    (["--host-slots", "64", "--storage", "ftp://store"], {}, "--storage"),
+    (["--host-slots", "64", "--storage", "valkey://"], {}, "--storage"),
+    (["--host-slots", "64", "--storage", "file://relative/dir"], {}, "--storage"),
+    (["--host-slots", "64", "--storage", "mooncake://127.0.0.1"], {}, "--storage"),
+    (["--host-slots", "64", "--storage", "valkey+unix://"], {}, "--storage"),
+    (["--host-slots", "64", "--storage", "redis://h:1?timeout_ms=soon"], {}, "--storage"),
+    (["--prefetch-threshold", "0"], {}, "--prefetch-threshold"),
+    (["--prefetch-timeout-ms", "-1"], {}, "--prefetch-timeout-ms"),
+    ([], {"RADIXD_PREFETCH_POLICY": "sometimes"}, "RADIXD_PREFETCH_POLICY"),
+    ([], {"RADIXD_STORAGE_WRITE_POLICY": "never"}, "RADIXD_STORAGE_WRITE_POLICY"),
 ]
 
 
