@@ -265,12 +265,9 @@ class StorageTier:
         adopted = r.adopted.astype(np.int64)
         if adopted.size:
             self.host.host_alloc.move(adopted, IN_FLIGHT, TREE, check=False)
-        keep = np.ones(op.slots.size, bool)
-        keep[:ntok] = False
-        if adopted.size:
-            keep[r.prefix_len:r.prefix_len + adopted.size] = False
-        rest = op.slots[keep]
-        op.slots = rest  # freed (with the pages the store did not have) in _prefetch's finally
+        keep = np.ones(op.slots.size, bool)  # everything but the adopted range is freed in _prefetch's finally:
+        keep[r.prefix_len:r.prefix_len + adopted.size] = False  # duplicates, dropped pages, pages not read
+        op.slots = op.slots[keep]
         op.loaded = int(adopted.size)
         self.hit_tokens += op.loaded
         if r.dropped.size:
