@@ -3,6 +3,7 @@ namespaces, a store that dies and comes back; every server step ends with the se
 from __future__ import annotations
 
 import time
+import urllib.request
 import uuid
 
 import numpy as np
@@ -117,6 +118,12 @@ def test_two_servers_share_one_store_byte_for_byte(store):
             assert s["storage_hit_tokens_total"] == len(tokens) and s["storage_get_pages_total"] == 8
             # the fetched pages went host -> device; a write-through re-backup finds them in L3 already
             assert s["storage_put_pages_total"] == 0
+        with urllib.request.urlopen(f"http://{b.metrics_url.split('//')[1]}", timeout=10) as r:
+            text = r.read().decode()
+        nbytes = 8 * PAGE * 2 * 2 * 2 * 8 * 2  # pages x tokens x layers x (k, v) x heads x dim x 2 bytes
+        assert f'radixd_storage_bytes_total{{direction="get"}} {float(nbytes)}' in text
+        assert 'radixd_prefetch_outcomes_total{outcome="completed"} 1.0' in text
+        assert 'radixd_storage_seconds_count{call="get"}' in text
     finally:
         a.stop()
         b.stop()
