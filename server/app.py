@@ -193,7 +193,10 @@ async def _run(cfg: Config, core: CacheCore, instance_id: str, sockets: list[str
     msg_limit = max(64 << 20, cfg.num_slots * 16 + (1 << 20))
     options = [("grpc.max_receive_message_length", msg_limit), ("grpc.max_send_message_length", msg_limit),
                ("grpc.keepalive_time_ms", 10000), ("grpc.keepalive_timeout_ms", 5000),
-               ("grpc.http2.max_pings_without_data", 0), ("grpc.keepalive_permit_without_calls", 1)]
+               ("grpc.http2.max_pings_without_data", 0), ("grpc.keepalive_permit_without_calls", 1),
+               # clients ping every 10 s to detect a dead server; accept that (the default floor is 5 min,
+               # and a client pinging faster is sent GOAWAY too_many_pings, ending its session)
+               ("grpc.http2.min_recv_ping_interval_without_data_ms", 5000)]
     interceptors = [TokenAuth(cfg.token)] if cfg.token else []
     server = grpc.aio.server(options=options, interceptors=interceptors)
     cache_pb2_grpc.add_RadixCacheServicer_to_server(

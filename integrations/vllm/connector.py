@@ -1,0 +1,387 @@
+"""`RadixdConnector`: radixd as the shared, external KV tier of vLLM engines (vLLM 0.32.0's KV connector API).
+
+vLLM keeps its own block pool; radixd is the tier behind it that outlives engines and is shared by them.
+Scheduler side (one radixd session per engine, so a dead engine loses its locks and slots within a second):
+  get_num_new_matched_tokens  MatchPrefix(lock) on the prompt (page aligned, before its last token), a
+                              LoadBack first when radixd holds more on its host tier; the pages beyond
+                              vLLM's own hit are the external hit;
+  update_state_after_alloc    remembers which tokens to load (or nothing);
+  build_connector_meta        loads (radixd pages -> the request's new blocks) and stores: prompt pages
+                              computed by this step beyond what radixd has get radixd slots (Alloc);
+  update_connector_output     the workers report stores done: the pages are published (CacheUnfinished,
+                              which frees duplicates and re-locks the longer prefix);
+  request_finished            publishes what is still pending, then releases the lock.
+Worker side: maps radixd's device pool, checks the geometry, and copies whole pages synchronously
+(`start_load_kv` before the forward, stores in `wait_for_save` after it), converting layouts exactly.
+Configure with `kv_connector_extra_config`: `radixd_target` (default `$RADIXD_TARGET` or the default
+socket), `radixd_token`, `load_back` (default true).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
+
+import numpy as np
+import torch
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
+                                                               KVConnectorRole, KVConnectorWorkerMetadata)
+
+from radixd.client import CacheClient, RadixdError
+from radixd.server.config import DEFAULT_SOCKET
+
+from .layout import Geometry, geometry, load_blocks, save_blocks
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("radixd.vllm")
+SUPPORTED_VLLM = "0.32.0"
+
+
+@dataclass
+class RadixdConnectorMetadata(KVConnectorMetadata):
+    """One step's copies: loads (vLLM blocks, radixd page first slots) and stores (id, blocks, pages)."""
+
+    loads: list[tuple[list[int], list[int]]] = field(default_factory=list)
+    stores: list[tuple[int, list[int], list[int]]] = field(default_factory=list)
+
+
+@dataclass
+class RadixdWorkerMetadata(KVConnectorWorkerMetadata):
+    """Store ids a worker has copied into radixd this step."""
+
+    stored: set[int] = field(default_factory=set)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, RadixdWorkerMetadata)
+        return RadixdWorkerMetadata(self.stored | other.stored)
+
+
+@dataclass
+class _Req:
+    tokens: list[int]
+    ns: dict[str, str]
+    receipt: int = 0
+    prefix: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # radixd slots, locked
+    local: int = 0  # vLLM's own computed tokens when matched
+    load: Optional[tuple[int, int]] = None  # (first token, tokens) to load this step
+    blocks: list[int] = field(default_factory=list)
+    planned: int = 0  # tokens whose store has been planned (published or in flight)
+    inflight: set[int] = field(default_factory=set)
+    finished: bool = False
+    storing: bool = True
+
+
+def _namespace(request: "Request") -> dict[str, str]:
+    lora = getattr(request, "lora_request", None)
+    return dict(extra_key=lora.lora_name if lora is not None else "", cache_salt=request.cache_salt or "")
+
+
+class RadixdConnector(KVConnectorBase_V1):
+    """vLLM KV connector backed by a radixd server (see the module docstring)."""
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        self.target = extra.get("radixd_target") or os.environ.get("RADIXD_TARGET") or \
+            "unix://" + DEFAULT_SOCKET[len("unix:"):]
+        self.token = extra.get("radixd_token") or os.environ.get("RADIXD_TOKEN")
+        self.load_back = str(extra.get("load_back", "true")).lower() not in ("0", "false", "no")
+        self.block_size = vllm_config.cache_config.block_size
+        tp = vllm_config.parallel_config.tensor_parallel_size
+        if tp != 1:
+            raise ValueError(f"radixd connector: tensor_parallel_size {tp} is not supported yet (use 1)")
+        self._sched: Optional[_Scheduler] = None
+        self._worker: Optional[_Worker] = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._sched = _Scheduler(self)
+        else:
+            self._worker = _Worker(self)
+
+    # ------------------------------------------------------------ scheduler side
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._sched.matched(request, num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+        self._sched.allocated(request, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        return self._sched.build(scheduler_output)
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput"):
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, RadixdWorkerMetadata):
+            self._sched.stored(meta.stored)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._sched.finished(request.request_id)
+        return False, None
+
+    # --------------------------------------------------------------- worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        self._worker.register(kv_caches)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, RadixdConnectorMetadata)
+        self._worker.load(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are synchronous, done in start_load_kv before the forward
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata",
+                      **kwargs: Any) -> None:
+        return  # stores copy every layer at once in wait_for_save, after the forward
+
+    def wait_for_save(self):
+        if self.has_connector_metadata():
+            meta = self._get_connector_metadata()
+            assert isinstance(meta, RadixdConnectorMetadata)
+            self._worker.save(meta)
+
+    def build_connector_worker_meta(self) -> Optional[KVConnectorWorkerMetadata]:
+        return self._worker.report()
+
+    def shutdown(self):
+        if self._sched is not None:
+            self._sched.close()
+        if self._worker is not None:
+            self._worker.close()
+
+
+class _Scheduler:
+    """Per-engine bookkeeping: what each request locked in radixd, loads, and stores in flight."""
+
+    def __init__(self, conn: RadixdConnector):
+        self.conn = conn
+        self.page = conn.block_size
+        self.client = CacheClient(conn.target, token=conn.token, name=f"vllm-scheduler-{os.getpid()}")
+        info = self.client.info()
+        if info["page_size"] != self.page:
+            raise ValueError(f"radixd connector: radixd's page size {info['page_size']} != vLLM's block size "
+                             f"{self.page}; start radixd with --page-size {self.page}")
+        self.reqs: dict[str, _Req] = {}
+        self.stores: dict[int, tuple[str, int, int, np.ndarray]] = {}  # id -> (request, start, end, slots)
+        self._next = 0
+        self.hits = 0  # tokens loaded from radixd (for tests and logs)
+
+    def _align(self, n: int) -> int:
+        return max(n, 0) - max(n, 0) % self.page
+
+    def _release(self, st: _Req) -> None:
+        if st.receipt:
+            try:
+                self.client.unlock([st.receipt])
+            except RadixdError as e:
+                log.warning("radixd unlock failed: %s", e)
+            st.receipt = 0
+
+    def matched(self, request: "Request", num_computed: int) -> int:
+        toks = request.prompt_token_ids
+        rid = request.request_id
+        old = self.reqs.pop(rid, None)
+        if old is not None:  # asked again (not scheduled last time): start over
+            self._release(old)
+        if toks is None:
+            return 0
+        st = _Req(list(toks), _namespace(request), local=num_computed)
+        self.reqs[rid] = st
+        n = self._align(len(toks) - 1)  # the engine always computes the last prompt token itself
+        if n <= num_computed:
+            st.planned = num_computed
+            return 0
+        try:
+            m = self.client.match_prefix(np.asarray(toks[:n], dtype=np.int32), lock=True, **st.ns)
+            st.prefix, st.receipt = m.indices, m.receipt_id
+            if self.conn.load_back and m.host_hit_len:
+                lb = self.client.load_back(m.receipt_id)
+                if lb.loaded_len:
+                    _, failed = self.client.wait_transfers([lb.transfer_id])
+                    if failed:
+                        raise RadixdError(f"load-back transfer {lb.transfer_id} failed")
+                st.prefix, st.receipt = lb.indices, lb.receipt_id
+        except RadixdError as e:  # radixd down or refusing: a miss, never a failed request
+            log.warning("radixd match failed: %s", e)
+            self._release(st)
+            st.prefix = np.zeros(0, np.int64)
+        st.planned = len(st.prefix)
+        return max(len(st.prefix) - num_computed, 0)
+
+    def allocated(self, request: "Request", num_external: int) -> None:
+        st = self.reqs.get(request.request_id)
+        if st is not None and num_external > 0:
+            st.load = (st.local, num_external)
+
+    def build(self, so: "SchedulerOutput") -> RadixdConnectorMetadata:
+        meta = RadixdConnectorMetadata()
+        for nr in so.scheduled_new_reqs:
+            st = self.reqs.get(nr.req_id)
+            if st is None:
+                continue
+            st.blocks = list(nr.block_ids[0])
+            if st.load is not None:
+                start, n = st.load
+                pages = st.prefix[start:start + n:self.page].tolist()
+                meta.loads.append((st.blocks[start // self.page:(start + n) // self.page], pages))
+                self.hits += n
+                st.load = None
+            self._plan(nr.req_id, st, nr.num_computed_tokens + so.num_scheduled_tokens[nr.req_id], meta)
+        cr = so.scheduled_cached_reqs
+        for i, rid in enumerate(cr.req_ids):
+            st = self.reqs.get(rid)
+            if st is None:
+                continue
+            nb = cr.new_block_ids[i]
+            if rid in cr.resumed_req_ids:
+                st.blocks = list(nb[0]) if nb else []
+            elif nb:
+                st.blocks.extend(nb[0])
+            self._plan(rid, st, cr.num_computed_tokens[i] + so.num_scheduled_tokens[rid], meta)
+        return meta
+
+    def _plan(self, rid: str, st: _Req, computed_after: int, meta: RadixdConnectorMetadata) -> None:
+        """Give radixd slots to the prompt pages this step completes beyond what radixd has."""
+        end = min(self._align(computed_after), self._align(len(st.tokens)))
+        start = st.planned
+        if not st.storing or st.finished or end <= start or end // self.page > len(st.blocks):
+            return
+        try:
+            slots = np.asarray(self.client.alloc(end - start), dtype=np.int64)
+        except RadixdError as e:  # radixd is full of locked pages: this request is not cached there
+            log.info("radixd alloc failed (%s); not storing request %s", e, rid)
+            st.storing = False
+            return
+        self._next += 1
+        self.stores[self._next] = (rid, start, end, slots)
+        st.inflight.add(self._next)
+        st.planned = end
+        meta.stores.append((self._next, st.blocks[start // self.page:end // self.page], slots[::self.page].tolist()))
+
+    def stored(self, ids: set[int]) -> None:
+        """Workers copied these stores: publish each in order, then finish requests waiting on them."""
+        for sid in sorted(ids):
+            entry = self.stores.pop(sid, None)
+            if entry is None:
+                continue
+            rid, start, end, slots = entry
+            st = self.reqs.get(rid)
+            if st is None:
+                self._free(slots)
+                continue
+            st.inflight.discard(sid)
+            if start != len(st.prefix):  # an earlier piece was lost: this one cannot attach
+                self._free(slots)
+                st.storing = False
+            else:
+                try:
+                    _, m = self.client.cache_unfinished([dict(
+                        tokens=np.asarray(st.tokens[:end], dtype=np.int32),
+                        indices=np.concatenate([st.prefix, slots]), prev_prefix_len=len(st.prefix),
+                        receipt_id=st.receipt, **st.ns)])[0]
+                    st.prefix, st.receipt = m.indices, m.receipt_id
+                except RadixdError as e:
+                    log.warning("radixd publish failed: %s", e)
+                    self._free(slots)
+                    st.storing = False
+            if st.finished and not st.inflight:
+                self._finish(rid)
+
+    def _free(self, slots: np.ndarray) -> None:
+        try:
+            self.client.free(slots)
+        except RadixdError as e:
+            log.warning("radixd free failed: %s", e)
+
+    def finished(self, rid: str) -> None:
+        st = self.reqs.get(rid)
+        if st is None:
+            return
+        st.finished = True
+        if not st.inflight:  # otherwise the workers' report of this step's stores finishes it
+            self._finish(rid)
+
+    def _finish(self, rid: str) -> None:
+        st = self.reqs.pop(rid)
+        self._release(st)
+
+    def close(self) -> None:
+        for rid in list(self.reqs):
+            self._finish(rid)
+        self.client.close()
+
+
+_LAYER = re.compile(r"(\d+)")
+
+
+class _Worker:
+    """Maps radixd's device pool and copies pages between it and vLLM's blocks."""
+
+    def __init__(self, conn: RadixdConnector):
+        self.conn = conn
+        self.layers: list[torch.Tensor] = []
+        self.geo: Optional[Geometry] = None
+        self.done: set[int] = set()
+        self.pools = None
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        names = sorted(kv_caches, key=lambda n: [int(x) for x in _LAYER.findall(n)] or [0])
+        self.layers = [kv_caches[n] for n in names]
+        self.geo = geometry(self.layers[0], self.conn.block_size)
+        client = CacheClient(self.conn.target, token=self.conn.token, attach=False)
+        try:
+            self.pools = client.map_pools(self.layers[0].device)
+        finally:
+            client.close()
+        dev = self.pools.device[0]
+        d = dev.descriptor
+        want = (len(self.layers), self.geo.kv_heads, self.geo.head_dim, self.geo.block_size, self.geo.dtype)
+        have = (d.num_layers, d.kv_heads, d.head_dim, d.page_size, dev.k_buffer[0].dtype if dev.k_buffer else None)
+        if d.mla or want != have:
+            raise ValueError("radixd connector: the KV geometry differs (layers, kv heads, head dim, page size, "
+                             f"dtype): vLLM has {want}, radixd has {have}; start radixd with matching "
+                             "--layers/--kv-heads/--head-dim/--page-size/--dtype (or --model-config)")
+        if dev.k_buffer[0].device != self.layers[0].device:
+            raise ValueError(f"radixd connector: radixd's pool is on {dev.k_buffer[0].device}, vLLM's KV on "
+                             f"{self.layers[0].device}")
+        self.k, self.v = dev.k_buffer, dev.v_buffer
+
+    def _idx(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.layers[0].device)
+
+    def load(self, meta: RadixdConnectorMetadata) -> None:
+        for blocks, pages in meta.loads:
+            b, p = self._idx(blocks), self._idx(pages)
+            for i, kv in enumerate(self.layers):
+                load_blocks(kv, self.geo, b, self.k[i], self.v[i], p)
+
+    def save(self, meta: RadixdConnectorMetadata) -> None:
+        for sid, blocks, pages in meta.stores:
+            b, p = self._idx(blocks), self._idx(pages)
+            for i, kv in enumerate(self.layers):
+                save_blocks(kv, self.geo, b, self.k[i], self.v[i], p)
+            self.done.add(sid)
+
+    def report(self) -> Optional[RadixdWorkerMetadata]:
+        if not self.done:
+            return None
+        out, self.done = RadixdWorkerMetadata(self.done), set()
+        return out
+
+    def close(self) -> None:
+        self.k = self.v = []
+        if self.pools is not None:
+            self.pools.close()
+            self.pools = None

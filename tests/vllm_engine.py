@@ -1,0 +1,77 @@
+"""A real vLLM engine on the CPU with a tiny local model, run by the connector tests in vLLM's own venv.
+
+    python tests/vllm_engine.py MODEL_DIR PROMPTS.json OUT.json [--radixd TARGET] [--max-tokens N]
+
+Builds the model (seeded random Llama weights, WordLevel tokenizer) into MODEL_DIR when it is not there,
+generates greedily for each prompt (token ids) one request at a time, and writes per prompt the generated
+token ids and `num_cached_tokens`. With --radixd the engine uses `radixd.vllm.RadixdConnector`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 2, 2, 32, 32  # the radixd server of the tests uses the same geometry
+
+
+def build_model(path: str) -> None:
+    """A deterministic tiny Llama with a tokenizer, written with save_pretrained (no download)."""
+    import torch
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    os.makedirs(path, exist_ok=True)
+    vocab = {f"w{i}": i for i in range(512)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", bos_token="w1", eos_token="w2").save_pretrained(path)
+    cfg = LlamaConfig(hidden_size=KV_HEADS * 2 * HEAD_DIM, intermediate_size=256, num_hidden_layers=LAYERS,
+                      num_attention_heads=4, num_key_value_heads=KV_HEADS, vocab_size=512,
+                      max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, torch_dtype="float32")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(4.0)  # larger weights: greedy output that depends on the whole prompt, not a constant
+    cfg.save_pretrained(path)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, os.path.join(path, "model.safetensors"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model_dir")
+    ap.add_argument("prompts")
+    ap.add_argument("out")
+    ap.add_argument("--radixd", default="")
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    args = ap.parse_args()
+    if not os.path.exists(os.path.join(args.model_dir, "model.safetensors")):
+        build_model(args.model_dir)
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    kw = {}
+    if args.radixd:
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="RadixdConnector", kv_connector_module_path="radixd.vllm", kv_role="kv_both",
+            kv_connector_extra_config={"radixd_target": args.radixd})
+    llm = LLM(model=args.model_dir, dtype="float32", enforce_eager=True, max_model_len=args.max_model_len,
+              block_size=BLOCK, enable_prefix_caching=True, kv_cache_memory_bytes=64 << 20, seed=0, **kw)
+    prompts = json.load(open(args.prompts))
+    sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    out = []
+    for p in prompts:
+        r = llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0]
+        out.append(dict(tokens=list(r.outputs[0].token_ids), cached=r.num_cached_tokens or 0))
+    json.dump(out, open(args.out, "w"))
+    print("engine done", flush=True)
+    sys.stdout.flush()
+    os._exit(0)  # vLLM's background threads can hold the interpreter at exit
+
+
+if __name__ == "__main__":
+    main()
