@@ -54,6 +54,9 @@ SERVE_FLAGS = [
     ("--allow-remote", dict(action="store_const", const=True, help="listen beyond loopback without a token")),
     ("--grace-seconds", dict(type=float)),
     ("--prefault", dict(action="store_const", const=True, help="touch every pool page at start")),
+    ("--model-config", dict(help="Hugging Face config.json of the engine's model: sets --layers, --kv-heads, "
+                                 "--head-dim, --dtype and --mla (explicit flags win)")),
+    ("--tp-size", dict(type=int, help="the engine's tensor-parallel size (divides the model's KV heads)")),
 ]
 
 

@@ -56,6 +56,8 @@ class Config:
     allow_remote: bool = False  # bind TCP beyond loopback without a token
     grace_seconds: float = 5.0
     prefault: bool = False  # touch every pool page at start, so a memory shortage shows there
+    model_config: Optional[str] = None  # a Hugging Face config.json: layers, KV heads, head dim, dtype, MLA
+    tp_size: int = 1  # tensor-parallel size of the engine: divides the model's KV heads
     config: Optional[str] = None
 
     def summary(self) -> str:
@@ -124,7 +126,8 @@ class ConfigError(ValueError):
 # Lower bounds of numeric settings (what a pool, a tree or a buffer can be built with).
 _MIN = {"num_slots": 1, "page_size": 1, "layers": 1, "kv_heads": 1, "head_dim": 1, "host_slots": 0,
         "host_ratio": 0.0, "write_through_threshold": 1, "load_back_threshold": 0, "kv_events_buffer": 1,
-        "kv_events_watcher_queue": 1, "grace_seconds": 0.0, "prefetch_threshold": 1, "prefetch_timeout_ms": 0}
+        "kv_events_watcher_queue": 1, "grace_seconds": 0.0, "prefetch_threshold": 1, "prefetch_timeout_ms": 0,
+        "tp_size": 1}
 
 
 def _set(cfg: Config, name: str, value: Any, source: str, origin: dict[str, str]) -> None:
@@ -186,5 +189,47 @@ def load(flags: dict[str, Any], flag_names: Optional[dict[str, str]] = None) -> 
     for k, v in flags.items():
         if v is not None:
             _set(cfg, k, v, (flag_names or {}).get(k, f"--{k.replace('_', '-')}"), origin)
+    if cfg.model_config:
+        _apply_model(cfg, origin)
     _check(cfg, origin)
     return cfg
+
+
+_HF_DTYPES = {"float16": "float16", "half": "float16", "bfloat16": "bfloat16", "float32": "float32",
+              "float": "float32"}
+
+
+def model_geometry(hf: dict[str, Any], tp_size: int = 1) -> dict[str, Any]:
+    """KV geometry of a Hugging Face model config: layers, KV heads per TP rank, head dim, dtype, MLA."""
+    text = hf.get("text_config") or hf  # multimodal configs nest the language model's
+    layers = text["num_hidden_layers"]
+    dtype = _HF_DTYPES.get(str(text.get("torch_dtype") or text.get("dtype") or hf.get("torch_dtype") or "bfloat16")
+                           .replace("torch.", ""), "bfloat16")
+    if text.get("kv_lora_rank"):  # MLA (DeepSeek V2/V3): one latent "head" of rank + rope dims per token
+        return dict(layers=layers, kv_heads=1, head_dim=text["kv_lora_rank"] + text.get("qk_rope_head_dim", 0),
+                    dtype=dtype, mla=True)
+    heads = text["num_attention_heads"]
+    kv = text.get("num_key_value_heads") or heads
+    head_dim = text.get("head_dim") or text["hidden_size"] // heads
+    if kv % tp_size and tp_size % kv:
+        raise ValueError(f"{kv} KV heads do not split over tp_size {tp_size}")
+    return dict(layers=layers, kv_heads=max(kv // tp_size, 1), head_dim=head_dim, dtype=dtype, mla=False)
+
+
+def _apply_model(cfg: Config, origin: dict[str, str]) -> None:
+    """Fill the KV geometry from --model-config; settings given explicitly win."""
+    import json
+    src = origin.get("model_config", "--model-config")
+    try:
+        with open(cfg.model_config) as fh:
+            hf = json.load(fh)
+        geo = model_geometry(hf, cfg.tp_size)
+    except OSError as e:
+        raise ConfigError(f"{src}: {cfg.model_config}: {e.strerror or e}") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{src}: {cfg.model_config} is not a usable model config ({type(e).__name__}: {e})") \
+            from None
+    for name, value in geo.items():
+        if name not in origin:
+            setattr(cfg, name, value)
+            origin[name] = f"{src} ({cfg.model_config})"

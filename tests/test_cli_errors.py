@@ -40,6 +40,9 @@ BAD_SERVE = [  # (argv after `serve`, extra environment, text the one line must 
     (["--prefetch-timeout-ms", "-1"], {}, "--prefetch-timeout-ms"),
     ([], {"RADIXD_PREFETCH_POLICY": "sometimes"}, "RADIXD_PREFETCH_POLICY"),
     ([], {"RADIXD_STORAGE_WRITE_POLICY": "never"}, "RADIXD_STORAGE_WRITE_POLICY"),
+    (["--model-config", "/nonexistent/config.json"], {}, "--model-config"),
+    (["--model-config", "/dev/null"], {}, "--model-config"),
+    (["--tp-size", "0"], {}, "--tp-size"),
 ]
 
 
@@ -113,3 +116,23 @@ def test_prefault_starts_and_serves(tmp_path):
         assert r.returncode == 0
     finally:
         s.stop()
+
+
+def test_model_config_sets_the_kv_geometry_and_flags_win(tmp_path):
+    import json
+    from radixd.server.config import load, model_geometry
+    llama = dict(num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, hidden_size=4096,
+                 torch_dtype="bfloat16")
+    assert model_geometry(llama) == dict(layers=32, kv_heads=8, head_dim=128, dtype="bfloat16", mla=False)
+    assert model_geometry(llama, tp_size=4)["kv_heads"] == 2
+    assert model_geometry(llama, tp_size=16)["kv_heads"] == 1  # heads replicated across ranks
+    deepseek = dict(num_hidden_layers=61, num_attention_heads=128, kv_lora_rank=512, qk_rope_head_dim=64,
+                    hidden_size=7168, torch_dtype="bfloat16")
+    assert model_geometry(deepseek) == dict(layers=61, kv_heads=1, head_dim=576, dtype="bfloat16", mla=True)
+    qwen_vl = dict(text_config=dict(num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=2,
+                                    hidden_size=2048, head_dim=128, torch_dtype="float16"))
+    assert model_geometry(qwen_vl) == dict(layers=28, kv_heads=2, head_dim=128, dtype="float16", mla=False)
+    f = tmp_path / "config.json"
+    f.write_text(json.dumps(llama))
+    cfg = load({"model_config": str(f), "layers": 2})
+    assert (cfg.layers, cfg.kv_heads, cfg.head_dim, cfg.dtype) == (2, 8, 128, "bfloat16")

@@ -45,13 +45,17 @@ PARTIAL = P[:100] + [rng.randrange(3, 512) for _ in range(60)]  # shares 3 block
 
 @pytest.fixture(scope="module")
 def model_dir():
+    if VLLM_PY is None:
+        pytest.skip("no vLLM venv")
     d = tempfile.mkdtemp(prefix="radixd-vllm-model-")
+    subprocess.run([VLLM_PY, str(ENGINE), d], check=True, timeout=300, env={**os.environ, "PYTHONPATH": ""})
     yield d
 
 
-def _server() -> ServerProc:
-    return ServerProc("--num-slots", "8192", "--page-size", str(BLOCK), "--layers", str(LAYERS), "--kv-heads",
-                      str(KV_HEADS), "--head-dim", str(HEAD_DIM), "--dtype", "float32")
+def _server(model_dir: str) -> ServerProc:
+    """radixd with the engine's KV geometry read from the model's own config.json (page = vLLM block)."""
+    return ServerProc("--num-slots", "8192", "--page-size", str(BLOCK), "--model-config",
+                      os.path.join(model_dir, "config.json"))
 
 
 def _engine(model_dir: str, prompts: list[list[int]], target: str = "", multiprocess: bool = False,
@@ -113,7 +117,7 @@ def reference(model_dir):
 @needs_vllm
 @pytest.mark.parametrize("multiprocess", [False, True], ids=["one-process", "three-processes"])
 def test_engine_b_reuses_engine_a_kv_and_generates_the_same_tokens(model_dir, reference, multiprocess):
-    srv = _server()
+    srv = _server(model_dir)
     try:
         with CacheClient(srv.target, name="test") as c:
             a = _engine(model_dir, [P], srv.target, multiprocess)
@@ -130,7 +134,7 @@ def test_engine_b_reuses_engine_a_kv_and_generates_the_same_tokens(model_dir, re
 
 @needs_vllm
 def test_overwritten_radixd_pages_change_the_output(model_dir, reference):
-    srv = _server()
+    srv = _server(model_dir)
     try:
         with CacheClient(srv.target, name="test") as c:
             _engine(model_dir, [P], srv.target)
@@ -152,7 +156,7 @@ def test_overwritten_radixd_pages_change_the_output(model_dir, reference):
 
 @needs_vllm
 def test_a_killed_engine_leaves_no_lock_and_no_slot_behind(model_dir):
-    srv = _server()
+    srv = _server(model_dir)
     try:
         with CacheClient(srv.target, name="test") as c:
             _engine(model_dir, [P], srv.target)

@@ -1,6 +1,6 @@
 """A real vLLM engine on the CPU with a tiny local model, run by the connector tests in vLLM's own venv.
 
-    python tests/vllm_engine.py MODEL_DIR PROMPTS.json OUT.json [--radixd TARGET] [--max-tokens N]
+    python tests/vllm_engine.py MODEL_DIR [PROMPTS.json OUT.json] [--radixd TARGET] [--max-tokens N]
 
 Builds the model (seeded random Llama weights, WordLevel tokenizer) into MODEL_DIR when it is not there,
 generates greedily for each prompt (token ids) one request at a time, and writes per prompt the generated
@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 2, 2, 32, 32  # the radixd server of the tests uses the same geometry
 
@@ -30,7 +31,7 @@ def build_model(path: str) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", bos_token="w1", eos_token="w2").save_pretrained(path)
     cfg = LlamaConfig(hidden_size=KV_HEADS * 2 * HEAD_DIM, intermediate_size=256, num_hidden_layers=LAYERS,
                       num_attention_heads=4, num_key_value_heads=KV_HEADS, vocab_size=512,
-                      max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, torch_dtype="float32")
+                      max_position_embeddings=16384, bos_token_id=1, eos_token_id=2, torch_dtype="float32")
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
     with torch.no_grad():
@@ -43,14 +44,16 @@ def build_model(path: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model_dir")
-    ap.add_argument("prompts")
-    ap.add_argument("out")
+    ap.add_argument("prompts", nargs="?")
+    ap.add_argument("out", nargs="?")
     ap.add_argument("--radixd", default="")
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--max-model-len", type=int, default=1024)
     args = ap.parse_args()
     if not os.path.exists(os.path.join(args.model_dir, "model.safetensors")):
         build_model(args.model_dir)
+    if args.prompts is None:  # build only
+        return
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
@@ -65,8 +68,10 @@ def main() -> None:
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     out = []
     for p in prompts:
+        t0 = time.perf_counter()
         r = llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0]
-        out.append(dict(tokens=list(r.outputs[0].token_ids), cached=r.num_cached_tokens or 0))
+        out.append(dict(tokens=list(r.outputs[0].token_ids), cached=r.num_cached_tokens or 0,
+                        seconds=time.perf_counter() - t0))
     json.dump(out, open(args.out, "w"))
     print("engine done", flush=True)
     sys.stdout.flush()

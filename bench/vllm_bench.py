@@ -1,0 +1,99 @@
+"""vLLM connector benchmark: time to first token of a fresh engine on long prompts with and without a
+radixd hit, and the connector's own cost on a miss, on a real vLLM engine (CPU, the tests' tiny model).
+
+Engines run in vLLM's venv (`.venv-vllm`, built by .ci/run; or RADIXD_VLLM_PYTHON), one process each:
+  C  no connector              the reference: full prefill
+  A  connector, radixd cold    a miss: prefill + MatchPrefix + Alloc + page stores + CacheUnfinished
+  B  connector, radixd warm    a hit: MatchPrefix + page loads, prefill of the last partial page only
+Each engine first serves a short warm-up prompt (not timed); each length has --repeat distinct prompts.
+
+    python bench/vllm_bench.py [--lengths 1024,2048,4096,8192] [--repeat 3]
+
+Last line: RESULT ttft_x_<len>=<C/B> ... miss_overhead_<len>=<A/C> ...
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from tests.conftest import ServerProc  # noqa: E402
+
+ENGINE = ROOT / "tests" / "vllm_engine.py"
+BLOCK = 32
+
+
+def _python() -> str:
+    for cand in (os.environ.get("RADIXD_VLLM_PYTHON"), ROOT / ".venv-vllm" / "bin" / "python"):
+        if cand and Path(cand).exists():
+            return str(cand)
+    raise SystemExit("no vLLM venv: run .ci/run once (it builds .venv-vllm) or set RADIXD_VLLM_PYTHON")
+
+
+def _engine(py: str, model: str, prompts: list[list[int]], target: str, max_len: int) -> list[dict]:
+    d = tempfile.mkdtemp(prefix="radixd-vllm-bench-")
+    pj, oj = os.path.join(d, "p.json"), os.path.join(d, "o.json")
+    json.dump(prompts, open(pj, "w"))
+    cmd = [py, str(ENGINE), model, pj, oj, "--max-tokens", "1", "--max-model-len", str(max_len)]
+    if target:
+        cmd += ["--radixd", target]
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": ""}
+    with open(os.path.join(d, "log"), "w") as log:
+        p = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        rc = p.wait(1800)
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if rc != 0:
+        raise SystemExit(f"engine failed ({rc}); see {d}/log")
+    return json.load(open(oj))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lengths", default="1024,2048,4096,8192")
+    ap.add_argument("--repeat", type=int, default=3)
+    args = ap.parse_args()
+    py = _python()
+    model = tempfile.mkdtemp(prefix="radixd-vllm-bench-model-")
+    subprocess.run([py, str(ENGINE), model], check=True, env={**os.environ, "PYTHONPATH": ""})
+    lengths = [int(x) for x in args.lengths.split(",")]
+    rng = random.Random(7)
+    warm = [rng.randrange(3, 512) for _ in range(40)]
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in lengths for _ in range(args.repeat)]
+    max_len = max(lengths) + 2 * BLOCK
+    srv = ServerProc("--num-slots", str(max(65536, 2 * sum(map(len, prompts)))), "--page-size", str(BLOCK),
+                     "--model-config", os.path.join(model, "config.json"))
+    try:
+        c = _engine(py, model, [warm] + prompts, "", max_len)[1:]
+        a = _engine(py, model, [warm] + prompts, srv.target, max_len)[1:]
+        b = _engine(py, model, [warm[::-1]] + prompts, srv.target, max_len)[1:]
+    finally:
+        srv.stop()
+    results = {}
+    print(f"{'prompt':>7} {'C no conn ms':>13} {'A miss ms':>10} {'B hit ms':>9} {'B cached':>9} "
+          f"{'TTFT C/B':>9} {'miss A/C':>9}   (medians of {args.repeat} prompts)")
+    for i, n in enumerate(lengths):
+        sl = slice(i * args.repeat, (i + 1) * args.repeat)
+        tc = statistics.median(r["seconds"] for r in c[sl])
+        ta = statistics.median(r["seconds"] for r in a[sl])
+        tb = statistics.median(r["seconds"] for r in b[sl])
+        cached = min(r["cached"] for r in b[sl])
+        assert all(x["tokens"] == y["tokens"] for x, y in zip(b[sl], c[sl])), "a hit changed the output"
+        results[f"ttft_x_{n}"], results[f"miss_overhead_{n}"] = tc / tb, ta / tc
+        print(f"{n:7d} {tc * 1e3:13.1f} {ta * 1e3:10.1f} {tb * 1e3:9.1f} {cached:9d} {tc / tb:9.2f} {ta / tc:9.2f}")
+    print("RESULT " + " ".join(f"{k}={v:.3f}" for k, v in results.items()))
+
+
+if __name__ == "__main__":
+    main()
