@@ -1,0 +1,288 @@
+"""`RadixdRadixCache`: radixd as the shared tier behind SGLang's own radix tree (SGLang 0.5.23, FlexKV style).
+
+SGLang keeps its tree and KV pool; radixd is the tier behind them that outlives the engine and that every
+engine on the node shares (one radixd session per engine: a dead engine loses its locks within a second).
+  match_prefix     SGLang's own match, then radixd's (MatchPrefix with lock, after a LoadBack when radixd
+                   holds more on its host tier); what radixd has beyond SGLang's device prefix is reported as
+                   `host_hit_length`, so the scheduler calls init_load_back;
+  init_load_back   all or nothing: SGLang slots (evicting locally if short), radixd's pages copied into
+                   SGLang's k_buffer / v_buffer, the path inserted into SGLang's tree, radixd's lock released;
+  checkpoint       SGLang's own bookkeeping; for a finished request its new whole pages are copied into
+                   radixd slots (Alloc) and published (CacheFinished). On GPU the copy runs on a side stream
+                   and is published once its event completed, the source node locked until then; SGLang has
+                   no tick for a backend, so completions are drained in match_prefix, checkpoint and evict;
+  on_release / release_aborted_request / reset  release every radixd lock the request (or cache) held.
+The namespace is SGLang's extra_key plus cache_salt; radixd's page size must equal SGLang's --page-size.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
+
+import numpy as np
+import torch
+
+from sglang.srt.mem_cache.base_prefix_cache import (EvictParams, EvictResult, InitLoadBackParams, InsertParams,
+                                                    MatchPrefixParams, MatchResult)
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+
+from radixd.client import CacheClient, RadixdError
+from radixd.server.config import DEFAULT_SOCKET
+
+if TYPE_CHECKING:
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+
+log = logging.getLogger("radixd.sglang")
+SUPPORTED_SGLANG = "0.5.23"
+
+
+@dataclass
+class _Marker:
+    """From a match that found pages in radixd to its init_load_back: the lock and where the pages are."""
+
+    receipt: int
+    path: np.ndarray  # radixd device slots of the matched path, root first
+    key: RadixKey  # snapshot of the matched key (the request's own key keeps growing)
+    device_len: int  # SGLang's device prefix at match time
+
+
+@dataclass
+class _Store:
+    """A finished request's pages on their way into radixd (GPU: waiting for the copy's event)."""
+
+    event: Any
+    node: Any
+    item: dict
+
+
+class RadixdRadixCache(RadixCache):
+    """SGLang RadixCache with radixd behind it (see the module docstring)."""
+
+    def __init__(self, params: "CacheInitParams", tp_size: int = 1, target: Optional[str] = None,
+                 token: Optional[str] = None, load_back: bool = True):
+        super().__init__(params)
+        if tp_size != 1:
+            raise NotImplementedError(f"radixd backend: tensor parallelism ({tp_size} ranks) is not supported yet")
+        self.target = target or os.environ.get("RADIXD_TARGET") or "unix://" + DEFAULT_SOCKET[len("unix:"):]
+        self.load_back = load_back
+        self.client = CacheClient(self.target, token=token or os.environ.get("RADIXD_TOKEN"),
+                                  name=f"sglang-{os.getpid()}")
+        info = self.client.info()
+        if info["page_size"] != self.page_size:
+            raise ValueError(f"radixd backend: radixd's page size {info['page_size']} != SGLang's --page-size "
+                             f"{self.page_size}; start radixd with --page-size {self.page_size}")
+        kv = self.token_to_kv_pool_allocator.get_kvcache()
+        self.k, self.v = kv.k_buffer, kv.v_buffer
+        self.pools = self.client.map_pools(self.k[0].device)
+        dev = self.pools.device[0]
+        d = dev.descriptor
+        want = (len(self.k), tuple(self.k[0].shape[1:]), self.k[0].dtype)
+        have = (d.num_layers, (d.kv_heads, d.head_dim), dev.k_buffer[0].dtype if dev.k_buffer else None)
+        if d.mla or want != have:
+            raise ValueError(f"radixd backend: the KV geometry differs (layers, (kv heads, head dim), dtype): SGLang "
+                             f"has {want}, radixd has {have}; start radixd with matching --layers/--kv-heads/"
+                             "--head-dim/--dtype (or --model-config)")
+        self.rk, self.rv = dev.k_buffer, dev.v_buffer
+        self.cuda = self.k[0].is_cuda
+        self.stream = torch.cuda.Stream(device=self.k[0].device) if self.cuda else None
+        self._markers: dict[Any, _Marker] = {}
+        self._stores: list[_Store] = []
+        self.loaded_tokens = 0  # tokens copied in from radixd (for tests and logs)
+        self.stored_tokens = 0
+
+    # ---------------------------------------------------------------- helpers
+    def _ns(self, key: RadixKey) -> dict[str, str]:
+        return dict(extra_key=key.extra_key or "", cache_salt=getattr(key, "cache_salt", None) or "")
+
+    def _unlock(self, receipt: int) -> None:
+        if receipt:
+            try:
+                self.client.unlock([receipt])
+            except RadixdError as e:
+                log.warning("radixd unlock failed: %s", e)
+
+    def _drop_marker(self, handle: Any) -> None:
+        m = self._markers.pop(handle, None)
+        if m is not None:
+            self._unlock(m.receipt)
+
+    def _drain(self, wait: bool = False) -> None:
+        """Publish stores whose copy completed (all of them with wait)."""
+        keep = []
+        for st in self._stores:
+            if st.event is not None and not wait and not st.event.query():
+                keep.append(st)
+                continue
+            if st.event is not None:
+                st.event.synchronize()
+            self._publish(st.item)
+            self.dec_lock_ref(st.node)
+        self._stores = keep
+
+    def _publish(self, item: dict) -> None:
+        try:
+            self.client.cache_finished([item])
+        except RadixdError as e:  # radixd refused or is gone: the pages are simply not shared
+            log.warning("radixd publish failed: %s", e)
+            try:
+                self.client.free(item["indices"][item["prev_prefix_len"]:])
+                self._unlock(item["receipt_id"])
+            except RadixdError:
+                pass
+
+    # ------------------------------------------------------------- lifecycle
+    def reset(self) -> None:
+        super().reset()
+        if hasattr(self, "_markers"):
+            for h in list(self._markers):
+                self._drop_marker(h)
+            self._drain(wait=True)
+
+    def shutdown(self) -> None:
+        self._drain(wait=True)
+        for h in list(self._markers):
+            self._drop_marker(h)
+        self.pools.close()
+        self.client.close()
+
+    # ----------------------------------------------------------------- match
+    def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
+        base = super().match_prefix(params)
+        req = params.req
+        if self.disable or req is None or not len(params.key):
+            return base
+        self._drain()
+        key = params.key.page_aligned(self.page_size)
+        device_len = base.device_prefix_len
+        self._drop_marker(req.cache_request_handle)  # asked again: the newer answer wins
+        if device_len >= len(key) or self.is_eagle:
+            return base
+        tokens = np.asarray(key.raw_token_ids(), dtype=np.int32)
+        ns = self._ns(key)
+        try:
+            m = self.client.match_prefix(tokens, lock=True, **ns)
+            path, receipt = m.indices, m.receipt_id
+            if self.load_back and m.host_hit_len:
+                lb = self.client.load_back(receipt)
+                if lb.loaded_len:
+                    _, failed = self.client.wait_transfers([lb.transfer_id])
+                    if failed:
+                        raise RadixdError(f"load-back transfer {lb.transfer_id} failed")
+                path, receipt = lb.indices, lb.receipt_id
+        except RadixdError as e:  # radixd down or refusing: SGLang's own answer stands
+            log.warning("radixd match failed: %s", e)
+            return base
+        hit = len(path) - device_len
+        if hit <= 0:
+            self._unlock(receipt)
+            return base
+        snap = RadixKey(list(key.raw_token_ids()), key.extra_key, key.is_bigram, cache_salt=key.cache_salt)
+        self._markers[req.cache_request_handle] = _Marker(receipt, path, snap, device_len)
+        node = base.last_device_node
+        return base._replace(last_host_node=node, best_match_node=node, host_hit_length=hit)
+
+    def init_load_back(self, params: InitLoadBackParams):
+        """Copy radixd's pages into fresh SGLang slots and insert them: all `host_hit_length` tokens or none."""
+        req = params.req
+        last = params.best_match_node
+        marker = self._markers.pop(req.cache_request_handle, None) if req is not None else None
+        if marker is None:
+            return 0, last
+        try:
+            n = params.host_hit_length
+            if n <= 0 or marker.device_len + n > len(marker.path):
+                return 0, last
+            if self.token_to_kv_pool_allocator.available_size() < n:
+                self.evict(EvictParams(num_tokens=n))
+            slots = self.token_to_kv_pool_allocator.alloc(n)
+            if slots is None:
+                return 0, last
+            src = torch.from_numpy(marker.path[marker.device_len:marker.device_len + n].copy()).to(self.k[0].device)
+            dst = slots.to(torch.int64)
+            for i in range(len(self.k)):
+                self.k[i][dst] = self.rk[i][src]
+                self.v[i][dst] = self.rv[i][src]
+            if self.cuda:
+                torch.cuda.current_stream().synchronize()  # radixd may evict its pages once unlocked
+            end = marker.device_len + n
+            prefix = self.path_device_indices(last)[:marker.device_len].to(torch.int64)
+            r = self.insert(InsertParams(key=marker.key[:end], value=torch.cat([prefix, dst]),
+                                         inserted_len=marker.device_len, priority=getattr(last, "priority", 0)))
+            if r.prefix_len > marker.device_len:  # inserted meanwhile by this engine: our copies are duplicates
+                self.token_to_kv_pool_allocator.free(dst[:r.prefix_len - marker.device_len])
+            self.loaded_tokens += n
+            return n, r.last_device_node
+        finally:
+            self._unlock(marker.receipt)
+
+    # ------------------------------------------------------------ checkpoint
+    def checkpoint(self, req, *, up_to: int) -> None:
+        """SGLang's own checkpoint; a finished request's new whole pages also go to radixd."""
+        super().checkpoint(req, up_to=up_to)
+        self._drain()
+        if self.disable or not req.finished():
+            return
+        node = req.last_node
+        indices = self.path_device_indices(node).to(torch.int64)
+        n = len(indices) - len(indices) % self.page_size
+        if n == 0:
+            return
+        tokens = np.asarray(list(req.full_untruncated_fill_ids[:n]), dtype=np.int32)
+        ns = dict(extra_key=req.extra_key or "", cache_salt=req.cache_salt or "")
+        try:
+            m = self.client.match_prefix(tokens, lock=True, **ns)
+            have = m.matched_len
+            if have >= n:
+                self._unlock(m.receipt_id)
+                return
+            slots = np.asarray(self.client.alloc(n - have), dtype=np.int64)
+        except RadixdError as e:
+            log.warning("radixd store skipped: %s", e)
+            if "m" in locals():
+                self._unlock(m.receipt_id)
+            return
+        dst = torch.from_numpy(slots).to(self.k[0].device)
+        src = indices[have:n]
+        event = None
+        if self.cuda:
+            self.stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.stream):
+                for i in range(len(self.k)):
+                    self.rk[i][dst] = self.k[i][src]
+                    self.rv[i][dst] = self.v[i][src]
+                event = torch.cuda.Event()
+                event.record(self.stream)
+        else:
+            for i in range(len(self.k)):
+                self.rk[i][dst] = self.k[i][src]
+                self.rv[i][dst] = self.v[i][src]
+        item = dict(tokens=tokens, indices=np.concatenate([m.indices, slots]), prev_prefix_len=have,
+                    receipt_id=m.receipt_id, **ns)
+        self.stored_tokens += n - have
+        self.inc_lock_ref(node)  # SGLang must not reuse the source slots before the copy is over
+        self._stores.append(_Store(event, node, item))
+        if event is None:
+            self._drain()
+
+    # ------------------------------------------------------ eviction, release
+    def evict(self, params: EvictParams) -> EvictResult:
+        self._drain(wait=self.token_to_kv_pool_allocator.available_size() < params.num_tokens)
+        return super().evict(params)
+
+    def check_hicache_events(self) -> None:
+        self._drain()
+
+    def on_release(self, req, *, checkpointed: bool) -> None:
+        super().on_release(req, checkpointed=checkpointed)
+        self._drop_marker(req.cache_request_handle)
+
+    def release_aborted_request(self, handle) -> None:
+        super().release_aborted_request(handle)
+        self._drop_marker(handle)
+
+
+def factory(ctx) -> RadixdRadixCache:
+    """`--radix-cache-backend radixd`: build the cache from SGLang's TreeCacheBuildContext."""
+    return RadixdRadixCache(ctx.params, tp_size=ctx.tp_size)

@@ -1,0 +1,298 @@
+"""Drives `radixd.sglang.RadixdRadixCache` on real SGLang 0.5.23 classes (CPU pools), run in SGLang's venv by
+tests/test_sglang_backend.py against a live radixd server. Each scenario prints `ok NAME` or raises.
+
+    python tests/sglang_backend_check.py TARGET [SCENARIO ...]
+
+The scheduler's call order is driven by hand: match_prefix (with the request), init_load_back when it
+reports a host hit, alloc + forward (here: known values written into the KV pool), checkpoint while chunked
+and at finish, release. `Req` is a stand-in with exactly the fields SGLang's cache reads.
+"""
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import inspect
+import random
+import sys
+import time
+import types
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+
+def _stub_torchvision() -> None:
+    """SGLang's configs import torchvision at module level; the CPU torch cannot load PyPI's build."""
+    import transformers.utils.import_utils as iu
+    iu.is_torchvision_available()  # decided "absent" before the stub exists
+
+    class Stub(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+        def find_spec(self, name, path, target=None):
+            if name == "torchvision" or name.startswith("torchvision."):
+                return importlib.machinery.ModuleSpec(name, self, is_package=True)
+
+        def create_module(self, spec):
+            m = types.ModuleType(spec.name)
+            m.__path__ = []
+            return m
+
+        def exec_module(self, m):
+            pass
+
+    sys.meta_path.insert(0, Stub())
+
+
+_stub_torchvision()
+import torch  # noqa: E402
+from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator  # noqa: E402
+from sglang.srt.mem_cache.base_prefix_cache import (CacheRequestHandle, EvictParams, InitLoadBackParams,  # noqa: E402
+                                                    InsertParams, MatchPrefixParams)
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool  # noqa: E402
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey  # noqa: E402
+
+from radixd.client import CacheClient  # noqa: E402
+from radixd.sglang.backend import SUPPORTED_SGLANG, RadixdRadixCache  # noqa: E402
+
+PAGE, LAYERS, HEADS, DIM = 4, 2, 2, 8
+TARGET = sys.argv[1]
+
+
+@dataclass
+class Kv:
+    req_pool_idx: int
+    cache_protected_len: int = 0
+    cache_inserted_len: int = 0
+    swa_evict_floor: int = 0
+    kv_committed_len: int = 0
+
+
+@dataclass
+class Req:
+    """The request fields SGLang 0.5.23's RadixCache reads (match, checkpoint, release)."""
+
+    rid: str
+    origin_input_ids: list[int]
+    kv: Kv
+    output_ids: list[int] = field(default_factory=list)
+    extra_key: Optional[str] = None
+    cache_salt: Optional[str] = None
+    priority: int = 0
+    lock: Any = None
+    last_node: Any = None
+    done: bool = False
+
+    @property
+    def cache_request_handle(self) -> CacheRequestHandle:
+        return CacheRequestHandle(self.rid, 0)
+
+    @property
+    def full_untruncated_fill_ids(self) -> list[int]:
+        return self.origin_input_ids + self.output_ids
+
+    def finished(self) -> bool:
+        return self.done
+
+
+class Engine:
+    """One SGLang engine's cache side: its own KV pool, allocator, req_to_token table and tree."""
+
+    def __init__(self, backend: bool = True, slots: int = 512):
+        self.r2t = ReqToTokenPool(size=8, max_context_len=256, device="cpu", enable_memory_saver=False)
+        self.kv = MHATokenToKVPool(size=slots, page_size=PAGE, dtype=torch.float32, head_num=HEADS, head_dim=DIM,
+                                   layer_num=LAYERS, device="cpu", enable_memory_saver=False)
+        self.alloc = PagedTokenToKVPoolAllocator(slots, PAGE, torch.float32, "cpu", self.kv, False)
+        params = CacheInitParams(disable=False, req_to_token_pool=self.r2t, token_to_kv_pool_allocator=self.alloc,
+                                 page_size=PAGE)
+        self.cache = RadixdRadixCache(params, target=TARGET) if backend else RadixCache(params)
+        self._rows = iter(range(1, 8))
+
+    def request(self, rid: str, tokens: list[int], **kw) -> Req:
+        return Req(rid, list(tokens), Kv(next(self._rows)), **kw)
+
+    def prefill(self, req: Req, upto: int, finish: bool) -> tuple[int, int]:
+        """match (+ init_load_back), compute the rest, checkpoint; returns (device hit, loaded)."""
+        key = RadixKey(req.full_untruncated_fill_ids[:upto], req.extra_key, cache_salt=req.cache_salt)
+        m = self.cache.match_prefix(MatchPrefixParams(key=key, req=req))
+        node, loaded = m.last_device_node, 0
+        if m.host_hit_length:
+            loaded, node = self.cache.init_load_back(InitLoadBackParams(m.best_match_node, m.host_hit_length,
+                                                                        req=req))
+            assert loaded in (0, m.host_hit_length), "a load-back is all or nothing"
+        prefix = self.cache.path_device_indices(node).to(torch.int64)
+        have = len(prefix)
+        self.r2t.req_to_token[req.kv.req_pool_idx, :have] = prefix.to(torch.int32)
+        req.kv.cache_protected_len = have
+        req.last_node = node
+        if req.lock is not None:  # a later chunk: the previous checkpoint's lock is replaced
+            self.cache.unlock(req.lock)
+        req.lock = self.cache.lock(node)
+        new = self.alloc.alloc(-(-(upto - have) // PAGE) * PAGE)[:upto - have]
+        self.r2t.req_to_token[req.kv.req_pool_idx, have:upto] = new.to(torch.int32)
+        toks = torch.tensor(req.full_untruncated_fill_ids[have:upto], dtype=torch.float32)
+        for layer in range(LAYERS):  # "the forward pass": KV values that depend on token and layer
+            self.kv.k_buffer[layer][new] = (toks * 10 + layer)[:, None, None]
+            self.kv.v_buffer[layer][new] = -(toks * 10 + layer)[:, None, None]
+        req.kv.kv_committed_len = upto
+        req.done = finish
+        self.cache.checkpoint(req, up_to=upto)
+        return m.device_prefix_len, loaded
+
+    def release(self, req: Req) -> None:
+        self.cache.unlock(req.lock)
+        req.lock = None
+        self.cache.on_release(req, checkpointed=True)
+        row = self.r2t.req_to_token[req.kv.req_pool_idx]
+        tail = row[req.kv.cache_protected_len:len(req.full_untruncated_fill_ids)].to(torch.int64)
+        if tail.numel():
+            self.alloc.free(tail)
+
+    def kv_of(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        node = self.cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens))).last_device_node
+        idx = self.cache.path_device_indices(node).to(torch.int64)
+        return (torch.stack([self.kv.k_buffer[i][idx] for i in range(LAYERS)]),
+                torch.stack([self.kv.v_buffer[i][idx] for i in range(LAYERS)]))
+
+
+def settled(c: CacheClient) -> dict:
+    s = c.stats()
+    assert s["receipts"] == 0 and s["held_tokens"] == 0, s
+    assert c.check() == [], c.check()
+    return s
+
+
+def scenario_two_engines_share_pages_byte_for_byte(c: CacheClient) -> None:
+    a, b = Engine(), Engine()
+    prompt = [random.randrange(1, 999) for _ in range(42)]
+    ra = a.request("a1", prompt)
+    a.prefill(ra, 20, finish=False)  # a chunk: SGLang checkpoints, radixd gets nothing yet
+    assert c.stats()["cached_tokens"] == 0
+    a.prefill(ra, 42, finish=True)
+    a.release(ra)
+    assert settled(c)["cached_tokens"] == 40  # the whole pages of the finished request
+    rb = b.request("b1", prompt + [5, 6, 7])
+    hit, loaded = b.prefill(rb, 45, finish=True)
+    assert (hit, loaded) == (0, 40), (hit, loaded)
+    ka, va = a.kv_of(prompt[:40])
+    kb, vb = b.kv_of(prompt[:40])
+    assert torch.equal(ka, kb) and torch.equal(va, vb), "engine B did not get engine A's bytes"
+    b.release(rb)
+    assert b.cache.loaded_tokens == 40 and a.cache.stored_tokens == 40
+    hit, loaded = b.prefill(b.request("b2", prompt), 42, finish=True)  # now SGLang's own tree has it
+    assert (hit, loaded) == (40, 0)
+    settled(c)
+    a.cache.shutdown()
+    b.cache.shutdown()
+
+
+def scenario_pages_on_radixd_host_tier_are_loaded_back(c: CacheClient) -> None:
+    a, b = Engine(), Engine()
+    prompt = [random.randrange(1000, 2000) for _ in range(36)]
+    r = a.request("h1", prompt)
+    a.prefill(r, 36, finish=True)
+    a.release(r)
+    deadline = time.monotonic() + 10
+    while c.stats()["cached_tokens"]:  # radixd demotes what its (asynchronous) backups put on host
+        assert time.monotonic() < deadline, "radixd's backups never landed"
+        c.evict(c.stats()["cached_tokens"])
+    s = settled(c)
+    assert s["cached_tokens"] == 0 and s["host_cached_tokens"] >= 36, s
+    hit, loaded = b.prefill(b.request("h2", prompt), 36, finish=True)
+    assert (hit, loaded) == (0, 36)
+    ka, va = a.kv_of(prompt[:36])
+    kb, vb = b.kv_of(prompt[:36])
+    assert torch.equal(ka, kb) and torch.equal(va, vb)
+    settled(c)
+    a.cache.shutdown()
+    b.cache.shutdown()
+
+
+def scenario_partial_hit_and_namespaces(c: CacheClient) -> None:
+    a, b = Engine(), Engine()
+    prompt = [random.randrange(1, 999) for _ in range(32)]
+    r = a.request("p1", prompt, extra_key="lora-x")
+    a.prefill(r, 32, finish=True)
+    a.release(r)
+    other = prompt[:16] + [1] * 16
+    hit, loaded = b.prefill(b.request("p2", other, extra_key="lora-x"), 32, finish=True)
+    assert (hit, loaded) == (0, 16)  # four shared pages
+    hit, loaded = b.prefill(b.request("p3", prompt, extra_key="lora-y"), 32, finish=True)
+    assert loaded == 0  # another adapter never sees them
+    settled(c)
+    a.cache.shutdown()
+    b.cache.shutdown()
+
+
+def scenario_abort_and_unused_markers_release_radixd_locks(c: CacheClient) -> None:
+    a, b = Engine(), Engine()
+    prompt = [random.randrange(1, 999) for _ in range(24)]
+    r = a.request("x1", prompt)
+    a.prefill(r, 24, finish=True)
+    a.release(r)
+    rb = b.request("x2", prompt + [3])
+    m = b.cache.match_prefix(MatchPrefixParams(key=RadixKey(rb.full_untruncated_fill_ids), req=rb))
+    assert m.host_hit_length == 24 and c.stats()["receipts"] == 1  # locked in radixd while queued
+    b.cache.release_aborted_request(rb.cache_request_handle)  # aborted before it was scheduled
+    assert c.stats()["receipts"] == 0
+    m = b.cache.match_prefix(MatchPrefixParams(key=RadixKey(rb.full_untruncated_fill_ids), req=rb))
+    b.cache.match_prefix(MatchPrefixParams(key=RadixKey(rb.full_untruncated_fill_ids), req=rb))  # re-asked
+    assert c.stats()["receipts"] == 1
+    b.cache.on_release(rb, checkpointed=False)
+    settled(c)
+    a.cache.shutdown()
+    b.cache.shutdown()
+
+
+def scenario_same_matches_as_sglang_alone(c: CacheClient) -> None:
+    """Random insert / match / evict through the backend and through SGLang's own RadixCache."""
+    mine, plain = Engine(), Engine(backend=False)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(1, 50) for _ in range(rng.randrange(4, 40))] for _ in range(12)]
+    for step in range(400):
+        p = rng.choice(prompts)[:rng.randrange(1, 40)]
+        op = rng.random()
+        if op < 0.4:
+            for e in (mine, plain):
+                key = RadixKey(p).page_aligned(PAGE)
+                vals = e.alloc.alloc(len(key)) if len(key) else torch.zeros(0, dtype=torch.int64)
+                if vals is None:
+                    e.cache.evict(EvictParams(num_tokens=len(key)))
+                    vals = e.alloc.alloc(len(key))
+                r = e.cache.insert(InsertParams(key=key, value=vals))
+                e.alloc.free(vals[:r.prefix_len])
+        elif op < 0.9:
+            req = Req(f"d{step}", p, Kv(1))  # with a request, so the backend asks radixd too
+            lens = [e.cache.match_prefix(MatchPrefixParams(key=RadixKey(p), req=req)).device_prefix_len
+                    for e in (mine, plain)]
+            mine.cache.on_release(req, checkpointed=False)
+            assert lens[0] == lens[1], (step, lens)
+        else:
+            n = rng.randrange(1, 60)
+            for e in (mine, plain):
+                e.cache.evict(EvictParams(num_tokens=n))
+        assert mine.cache.evictable_size() == plain.cache.evictable_size()
+    settled(c)
+    mine.cache.shutdown()
+
+
+def scenario_overridden_signatures_match_sglang(c: CacheClient) -> None:
+    import sglang
+    assert sglang.__version__ == SUPPORTED_SGLANG, (sglang.__version__, SUPPORTED_SGLANG)
+    bad = []
+    for name, fn in vars(RadixdRadixCache).items():
+        if callable(fn) and not name.startswith("_") and hasattr(RadixCache, name):
+            a, b = inspect.signature(fn), inspect.signature(getattr(RadixCache, name))
+            if [p for p in a.parameters] != [p for p in b.parameters]:
+                bad.append(f"{name}{a} != {b}")
+    assert not bad, bad
+
+
+SCENARIOS = {k[len("scenario_"):]: v for k, v in dict(globals()).items() if k.startswith("scenario_")}
+
+if __name__ == "__main__":
+    random.seed(7)
+    names = sys.argv[2:] or list(SCENARIOS)
+    with CacheClient(TARGET, name="check") as client:
+        for n in names:
+            SCENARIOS[n](client)
+            print("ok", n, flush=True)

@@ -1,0 +1,60 @@
+"""radixd as SGLang 0.5.23's radix-cache backend, on real SGLang classes with CPU pools and a live radixd
+server (tests/sglang_backend_check.py runs in SGLang's own venv; `.ci/run` builds `.venv-sglang`)."""
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from radixd.client import CacheClient
+
+from .conftest import ServerProc
+
+ROOT = Path(__file__).resolve().parent.parent
+CHECK = Path(__file__).resolve().parent / "sglang_backend_check.py"
+
+
+def _sglang_python() -> str | None:
+    for cand in (os.environ.get("RADIXD_SGLANG_PYTHON"), ROOT / ".venv-sglang" / "bin" / "python"):
+        if cand and Path(cand).exists():
+            return str(cand)
+    return None
+
+
+SGL_PY = _sglang_python()
+pytestmark = pytest.mark.skipif(SGL_PY is None, reason="no SGLang venv (.ci/run builds .venv-sglang with sglang "
+                                                       "0.5.23; or set RADIXD_SGLANG_PYTHON)")
+SCENARIOS = ["two_engines_share_pages_byte_for_byte", "pages_on_radixd_host_tier_are_loaded_back",
+             "partial_hit_and_namespaces", "abort_and_unused_markers_release_radixd_locks",
+             "same_matches_as_sglang_alone", "overridden_signatures_match_sglang"]
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = ServerProc("--num-slots", "4096", "--page-size", "4", "--layers", "2", "--kv-heads", "2", "--head-dim", "8",
+                   "--dtype", "float32", "--host-slots", "8192", "--load-back-threshold", "1")
+    yield s
+    s.stop()
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_backend_scenario(server, scenario):
+    r = subprocess.run([SGL_PY, str(CHECK), server.target, scenario], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "PYTHONPATH": ""})
+    assert r.returncode == 0 and f"ok {scenario}" in r.stdout, (r.stdout[-3000:] + r.stderr[-5000:])
+    with CacheClient(server.target, name="after") as c:  # the scenario's sessions are gone: nothing leaks
+        s = c.stats()
+        assert s["receipts"] == 0 and s["held_tokens"] == 0 and c.check() == []
+
+
+def test_wrong_page_size_is_refused_in_plain_words():
+    srv = ServerProc("--num-slots", "4096", "--page-size", "8", "--layers", "2", "--kv-heads", "2", "--head-dim",
+                     "8", "--dtype", "float32")
+    try:
+        r = subprocess.run([SGL_PY, str(CHECK), srv.target, "two_engines_share_pages_byte_for_byte"],
+                           capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": ""})
+        assert r.returncode != 0 and "start radixd with --page-size 4" in r.stderr
+    finally:
+        srv.stop()
