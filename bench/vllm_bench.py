@@ -5,7 +5,8 @@ Engines run in vLLM's venv (`.venv-vllm`, built by .ci/run; or RADIXD_VLLM_PYTHO
   C  no connector              the reference: full prefill
   A  connector, radixd cold    a miss: prefill + MatchPrefix + Alloc + page stores + CacheUnfinished
   B  connector, radixd warm    a hit: MatchPrefix + page loads, prefill of the last partial page only
-Each engine first serves a short warm-up prompt (not timed); each length has --repeat distinct prompts.
+Each engine first serves a short warm-up prompt, and each length one more (not timed); then --repeat
+distinct prompts per length are timed.
 
     python bench/vllm_bench.py [--lengths 1024,2048,4096,8192] [--repeat 3]
 
@@ -70,7 +71,8 @@ def main() -> None:
     lengths = [int(x) for x in args.lengths.split(",")]
     rng = random.Random(7)
     warm = [rng.randrange(3, 512) for _ in range(40)]
-    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in lengths for _ in range(args.repeat)]
+    per = args.repeat + 1  # the first prompt of each length warms that shape up and is not counted
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in lengths for _ in range(per)]
     max_len = max(lengths) + 2 * BLOCK
     srv = ServerProc("--num-slots", str(max(65536, 2 * sum(map(len, prompts)))), "--page-size", str(BLOCK),
                      "--model-config", os.path.join(model, "config.json"))
@@ -84,7 +86,7 @@ def main() -> None:
     print(f"{'prompt':>7} {'C no conn ms':>13} {'A miss ms':>10} {'B hit ms':>9} {'B cached':>9} "
           f"{'TTFT C/B':>9} {'miss A/C':>9}   (medians of {args.repeat} prompts)")
     for i, n in enumerate(lengths):
-        sl = slice(i * args.repeat, (i + 1) * args.repeat)
+        sl = slice(i * per + 1, (i + 1) * per)
         tc = statistics.median(r["seconds"] for r in c[sl])
         ta = statistics.median(r["seconds"] for r in a[sl])
         tb = statistics.median(r["seconds"] for r in b[sl])
