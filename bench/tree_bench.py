@@ -153,27 +153,9 @@ class _MockAllocator:
 
 
 def _stub_torchvision():
-    import importlib.abc
-    import importlib.machinery
-    import types
-
-    import transformers.utils.import_utils as iu
-    iu.is_torchvision_available()  # decide "absent" before the stub exists
-
-    class Stub(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-        def find_spec(self, name, path, target=None):
-            if name == "torchvision" or name.startswith("torchvision."):
-                return importlib.machinery.ModuleSpec(name, self, is_package=True)
-
-        def create_module(self, spec):
-            m = types.ModuleType(spec.name)
-            m.__path__ = []
-            return m
-
-        def exec_module(self, m):
-            pass
-
-    sys.meta_path.insert(0, Stub())
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from tests.sglang_cpu import stub_torchvision
+    stub_torchvision()
 
 
 class SGLangImpl:

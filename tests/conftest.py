@@ -6,8 +6,17 @@ import signal
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 import pytest
+
+
+def venv_python(env_var: str, folder: str) -> str | None:
+    """The interpreter of a third-party stack's own venv: $env_var, else ROOT/folder (built by .ci/run)."""
+    for cand in (os.environ.get(env_var), Path(__file__).resolve().parent.parent / folder / "bin" / "python"):
+        if cand and Path(cand).exists():
+            return str(cand)
+    return None
 
 
 class ServerProc:

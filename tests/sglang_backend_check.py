@@ -9,40 +9,20 @@ and at finish, release. `Req` is a stand-in with exactly the fields SGLang's cac
 """
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import inspect
+import os
 import random
 import sys
 import time
-import types
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 
 
-def _stub_torchvision() -> None:
-    """SGLang's configs import torchvision at module level; the CPU torch cannot load PyPI's build."""
-    import transformers.utils.import_utils as iu
-    iu.is_torchvision_available()  # decided "absent" before the stub exists
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.sglang_cpu import stub_torchvision  # noqa: E402
 
-    class Stub(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-        def find_spec(self, name, path, target=None):
-            if name == "torchvision" or name.startswith("torchvision."):
-                return importlib.machinery.ModuleSpec(name, self, is_package=True)
-
-        def create_module(self, spec):
-            m = types.ModuleType(spec.name)
-            m.__path__ = []
-            return m
-
-        def exec_module(self, m):
-            pass
-
-    sys.meta_path.insert(0, Stub())
-
-
-_stub_torchvision()
+stub_torchvision()
 import torch  # noqa: E402
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator  # noqa: E402
 from sglang.srt.mem_cache.base_prefix_cache import (CacheRequestHandle, EvictParams, InitLoadBackParams,  # noqa: E402
@@ -154,6 +134,13 @@ class Engine:
                 torch.stack([self.kv.v_buffer[i][idx] for i in range(LAYERS)]))
 
 
+def same_kv(a: Engine, b: Engine, tokens: list[int]) -> None:
+    """Both engines hold exactly the same K and V bytes for these tokens."""
+    ka, va = a.kv_of(tokens)
+    kb, vb = b.kv_of(tokens)
+    assert torch.equal(ka, kb) and torch.equal(va, vb), "engine B did not get engine A's bytes"
+
+
 def settled(c: CacheClient) -> dict:
     s = c.stats()
     assert s["receipts"] == 0 and s["held_tokens"] == 0, s
@@ -173,9 +160,7 @@ def scenario_two_engines_share_pages_byte_for_byte(c: CacheClient) -> None:
     rb = b.request("b1", prompt + [5, 6, 7])
     hit, loaded = b.prefill(rb, 45, finish=True)
     assert (hit, loaded) == (0, 40), (hit, loaded)
-    ka, va = a.kv_of(prompt[:40])
-    kb, vb = b.kv_of(prompt[:40])
-    assert torch.equal(ka, kb) and torch.equal(va, vb), "engine B did not get engine A's bytes"
+    same_kv(a, b, prompt[:40])
     b.release(rb)
     assert b.cache.loaded_tokens == 40 and a.cache.stored_tokens == 40
     hit, loaded = b.prefill(b.request("b2", prompt), 42, finish=True)  # now SGLang's own tree has it
@@ -199,9 +184,7 @@ def scenario_pages_on_radixd_host_tier_are_loaded_back(c: CacheClient) -> None:
     assert s["cached_tokens"] == 0 and s["host_cached_tokens"] >= 36, s
     hit, loaded = b.prefill(b.request("h2", prompt), 36, finish=True)
     assert (hit, loaded) == (0, 36)
-    ka, va = a.kv_of(prompt[:36])
-    kb, vb = b.kv_of(prompt[:36])
-    assert torch.equal(ka, kb) and torch.equal(va, vb)
+    same_kv(a, b, prompt[:36])
     settled(c)
     a.cache.shutdown()
     b.cache.shutdown()

