@@ -58,6 +58,15 @@ class StartupError(Exception):
     """The configuration cannot be served on this machine; the message says what to change."""
 
 
+START_STEPS = ("pools", "storage", "events", "listen", "metrics", "serving")
+
+
+def _step(name: str) -> None:
+    """Tests force a failure at one start-up step (RADIXD_TEST_FAIL_AT) to check a failed start cleans up."""
+    if os.environ.get("RADIXD_TEST_FAIL_AT") == name:
+        raise StartupError(f"injected failure at start-up step {name!r} (RADIXD_TEST_FAIL_AT)")
+
+
 def _gb(n: int) -> str:
     return f"{n / 1e9:.1f} GB"
 
@@ -97,6 +106,7 @@ def build_core(cfg: Config, instance_id: str) -> CacheCore:
         if cfg.prefault:
             for p in pools:
                 p.prefault()
+        _step("pools")
     except BaseException:
         for p in pools:
             p.close()
@@ -122,7 +132,10 @@ def build_core(cfg: Config, instance_id: str) -> CacheCore:
     if cfg.storage:
         try:
             attach_storage(cfg, core, spec)
+            _step("storage")
         except BaseException:
+            if core.storage is not None:
+                core.storage.close()
             for p in pools:
                 p.close()
             raise
@@ -183,10 +196,14 @@ async def _run(cfg: Config, core: CacheCore, instance_id: str, sockets: list[str
     """Start gRPC, health, reflection and metrics over a built core; return after a graceful stop."""
     metrics = Metrics(core)
     if core.tree.events_enabled:
-        core.attach_events(EventHub(core.tree.take_events, cfg.kv_events_buffer, cfg.kv_events_endpoint,
-                                    cfg.kv_events_replay_endpoint, cfg.kv_events_topic,
-                                    cfg.kv_events_watcher_queue))
-        await core.events.start()
+        try:
+            core.attach_events(EventHub(core.tree.take_events, cfg.kv_events_buffer, cfg.kv_events_endpoint,
+                                        cfg.kv_events_replay_endpoint, cfg.kv_events_topic,
+                                        cfg.kv_events_watcher_queue))
+            await core.events.start()
+        except ValueError as e:
+            raise StartupError(str(e)) from None
+    _step("events")
     if core.storage is not None and core.events is not None:
         core.storage.on_change = core.events.flush  # prefetched pages are published as they land
     stopping = asyncio.Event()
@@ -206,8 +223,11 @@ async def _run(cfg: Config, core: CacheCore, instance_id: str, sockets: list[str
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     creds = None
     if cfg.tls_cert and cfg.tls_key:
-        with open(cfg.tls_key, "rb") as k, open(cfg.tls_cert, "rb") as c:
-            creds = grpc.ssl_server_credentials([(k.read(), c.read())])
+        try:
+            with open(cfg.tls_key, "rb") as k, open(cfg.tls_cert, "rb") as c:
+                creds = grpc.ssl_server_credentials([(k.read(), c.read())])
+        except OSError as e:
+            raise StartupError(f"--tls-cert / --tls-key: cannot read {e.filename} ({e.strerror})") from None
     for addr in cfg.listen:
         if addr.startswith("unix:"):
             path = addr[5:]
@@ -233,9 +253,22 @@ async def _run(cfg: Config, core: CacheCore, instance_id: str, sockets: list[str
                 raise StartupError(f"--listen {addr}: cannot bind ({e})") from None
             if port == 0:
                 raise StartupError(f"--listen {addr}: cannot bind")
-    mhost, mport = cfg.metrics_addr.rsplit(":", 1)
-    metrics_at = metrics.serve(mhost, int(mport)) if cfg.metrics_addr else ""
+    _step("listen")
+    metrics_at = ""
+    if cfg.metrics_addr:
+        mhost, mport = cfg.metrics_addr.rsplit(":", 1)
+        try:
+            metrics_at = metrics.serve(mhost.strip("[]"), int(mport))
+        except OSError as e:
+            raise StartupError(f"--metrics-addr {cfg.metrics_addr}: cannot serve metrics there ({e.strerror or e})") \
+                from None
+    _step("metrics")
     await server.start()
+    try:
+        _step("serving")
+    except BaseException:
+        await server.stop(0)  # a started server must be stopped, or its finaliser complains at exit
+        raise
     for path in sockets:
         os.chmod(path, 0o600)
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)

@@ -154,11 +154,29 @@ def _check(cfg: Config, origin: dict[str, str]) -> None:
                           ("prefetch_policy", ("best_effort", "wait_complete", "timeout"))):
         if getattr(cfg, name) not in allowed:
             raise ConfigError(f"{src(name)}: {getattr(cfg, name)!r} is not one of {', '.join(allowed)}")
+    if bool(cfg.tls_cert) != bool(cfg.tls_key):
+        given = "tls_cert" if cfg.tls_cert else "tls_key"
+        raise ConfigError(f"{src(given)}: TLS needs both --tls-cert and --tls-key")
+    if cfg.metrics_addr and not _host_port(cfg.metrics_addr):
+        raise ConfigError(f"{src('metrics_addr')}: {cfg.metrics_addr!r} is not HOST:PORT with a port in 0-65535 "
+                          "(or empty to turn metrics off)")
+    for addr in cfg.listen:
+        if not addr.startswith("unix:") and not _host_port(addr):
+            raise ConfigError(f"{src('listen')}: {addr!r} is neither unix:PATH nor HOST:PORT (port 0-65535)")
+    for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+        v = getattr(cfg, name)
+        if v and not v.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ConfigError(f"{src(name)}: {v!r} is not a ZMQ endpoint (tcp://HOST:PORT, ipc://PATH)")
     if cfg.host_mem:
         try:
             parse_bytes(cfg.host_mem)
         except ValueError as e:
             raise ConfigError(f"{src('host_mem')}: {e}") from None
+
+
+def _host_port(addr: str) -> bool:
+    host, sep, port = addr.rpartition(":")
+    return bool(sep) and bool(host) and port.isdigit() and 0 <= int(port) <= 65535
 
 
 def load(flags: dict[str, Any], flag_names: Optional[dict[str, str]] = None) -> Config:

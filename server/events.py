@@ -113,7 +113,11 @@ class EventHub:
             if endpoint:
                 self._pub = self._ctx.socket(zmq.PUB)
                 self._pub.setsockopt(zmq.SNDHWM, 100_000)
-                self._pub.bind(endpoint)
+                try:
+                    self._pub.bind(endpoint)
+                except zmq.ZMQError as e:
+                    self._pub.close(0)
+                    raise ValueError(f"--kv-events-endpoint {endpoint}: cannot bind ({e})") from None
             self._replay_endpoint = replay_endpoint
 
     def _payload(self, ts: float, events: list[Event]) -> bytes:
@@ -158,15 +162,21 @@ class EventHub:
         return gap, items
 
     async def start(self) -> None:
+        """Bind the replay socket now (a bad endpoint fails the start) and serve it in a task."""
         if self._ctx is not None and self._replay_endpoint:
+            import zmq
+            import zmq.asyncio
+            self._router = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+            try:
+                self._router.bind(self._replay_endpoint)
+            except zmq.ZMQError as e:
+                self._router.close(0)
+                self._router = None
+                raise ValueError(f"--kv-events-replay-endpoint {self._replay_endpoint}: cannot bind ({e})") from None
             self._replay_task = asyncio.get_running_loop().create_task(self._serve_replay())
 
     async def _serve_replay(self) -> None:
         import zmq
-        import zmq.asyncio
-        ctx = zmq.asyncio.Context.instance()
-        self._router = ctx.socket(zmq.ROUTER)
-        self._router.bind(self._replay_endpoint)
         try:
             while True:
                 frames = await self._router.recv_multipart()

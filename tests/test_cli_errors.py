@@ -136,3 +136,53 @@ def test_model_config_sets_the_kv_geometry_and_flags_win(tmp_path):
     f.write_text(json.dumps(llama))
     cfg = load({"model_config": str(f), "layers": 2})
     assert (cfg.layers, cfg.kv_heads, cfg.head_dim, cfg.dtype) == (2, 8, 128, "bfloat16")
+
+
+@pytest.mark.parametrize("step", ["pools", "storage", "events", "listen", "metrics", "serving"])
+def test_a_failure_at_any_start_up_step_leaves_nothing_behind(step, tmp_path):
+    from radixd.server.app import START_STEPS
+    assert step in START_STEPS
+    before = _segments()
+    sock = tmp_path / "s.sock"
+    r = _run(["serve", "--device", "cpu", "--num-slots", "1024", "--host-slots", "2048", "--listen", f"unix:{sock}",
+              "--storage", f"file://{tmp_path}/l3", "--kv-events-replay-endpoint", f"ipc://{tmp_path}/replay"],
+             env={"RADIXD_TEST_FAIL_AT": step})
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == f"radixd: injected failure at start-up step {step!r} " \
+                                                "(RADIXD_TEST_FAIL_AT)"
+    assert _segments() <= before and not sock.exists()
+
+
+# Every `radixd serve` flag with a value that cannot work: one line naming the flag, exit status 2.
+ANY_STRING = {"--token": "any string is a token", "--kv-events-topic": "any string is a topic",
+              "--model-id": "any string names a model"}
+BAD_VALUE = {"--listen": "bogus", "--gpus": "a,b", "--host-mem": "lots", "--metrics-addr": "nohost",
+             "--config": "/nonexistent/radixd.toml", "--tls-cert": "/etc/hostname", "--tls-key": "/etc/hostname",
+             "--kv-events-endpoint": "bogus", "--kv-events-replay-endpoint": "bogus", "--storage": "ftp://store",
+             "--model-config": "/nonexistent/config.json"}
+
+
+def _bad_argv(name: str, opts: dict) -> list[str]:
+    if opts.get("action") == "store_const":
+        return [f"{name}=1"]  # a switch takes no value
+    if "choices" in opts:
+        return [name, "bogus"]
+    if opts.get("type") in (int, float):
+        return [name, "x"]
+    assert name in BAD_VALUE, f"add a bad value for the new flag {name} to BAD_VALUE (or to ANY_STRING)"
+    return [name, BAD_VALUE[name]]
+
+
+def test_every_serve_flag_refuses_a_bad_value_in_one_line():
+    from concurrent.futures import ThreadPoolExecutor
+
+    from radixd.server.cli import SERVE_FLAGS
+    cases = [(name, _bad_argv(name, opts)) for name, opts in SERVE_FLAGS if name not in ANY_STRING]
+    assert len(cases) + len(ANY_STRING) == len(SERVE_FLAGS)
+    with ThreadPoolExecutor(4) as ex:
+        runs = list(ex.map(lambda c: _run(["serve", "--device", "cpu", "--num-slots", "64", *c[1]]), cases))
+    for (name, argv), r in zip(cases, runs):
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2, (argv, r.stderr[-2000:])
+        named = name in lines[0] or (name == "--config" and argv[-1] in lines[0])  # the file names itself
+        assert len(lines) == 1 and named and "Traceback" not in r.stderr, (argv, r.stderr[-2000:])
