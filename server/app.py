@@ -84,6 +84,17 @@ def _check_shm(device_bytes: int, host_bytes: int) -> None:
                            f"available: lower {which}")
 
 
+def check_gpus(pool_bytes: int, gpus: list[int], free_of=None) -> None:
+    """Refuse a device pool larger than what each GPU has free now (leaving 5% for the CUDA context)."""
+    if free_of is None:
+        from .pools.cuda import free_bytes as free_of
+    for g in gpus:
+        free = free_of(g)
+        if pool_bytes > free * 0.95:
+            raise StartupError(f"the device pool needs {_gb(pool_bytes)} on GPU {g}, which has {_gb(free)} free: "
+                               "lower --num-slots (or --layers / --kv-heads / --head-dim / --dtype)")
+
+
 def build_core(cfg: Config, instance_id: str) -> CacheCore:
     """Pools, allocators and tree for a config; a failure leaves no pool behind."""
     backend = pick_backend(cfg.device)
@@ -97,6 +108,8 @@ def build_core(cfg: Config, instance_id: str) -> CacheCore:
         raise StartupError("a host tier with more than one device pool (--gpus) is not supported yet")
     host_spec = spec.with_slots(host_slots, cfg.host_layout) if host_slots else None
     _check_shm(total_bytes(spec) * len(gpus) if backend == "shm" else 0, total_bytes(host_spec) if host_spec else 0)
+    if backend == "cuda":
+        check_gpus(total_bytes(spec), gpus)
     pools: list[KVPool] = []
     try:
         for i, g in enumerate(gpus):

@@ -176,7 +176,6 @@ class EventHub:
             self._replay_task = asyncio.get_running_loop().create_task(self._serve_replay())
 
     async def _serve_replay(self) -> None:
-        import zmq
         try:
             while True:
                 frames = await self._router.recv_multipart()

@@ -186,3 +186,12 @@ def test_every_serve_flag_refuses_a_bad_value_in_one_line():
         assert r.returncode == 2, (argv, r.stderr[-2000:])
         named = name in lines[0] or (name == "--config" and argv[-1] in lines[0])  # the file names itself
         assert len(lines) == 1 and named and "Traceback" not in r.stderr, (argv, r.stderr[-2000:])
+
+
+def test_a_device_pool_larger_than_the_gpu_has_free_is_refused():
+    """The GPU check itself (a GPU host runs it for real in tests/gpu): numbers and the flag to lower."""
+    from radixd.server.app import StartupError, check_gpus
+    check_gpus(10 << 30, [0, 1], free_of=lambda g: 40 << 30)
+    with pytest.raises(StartupError) as e:
+        check_gpus(30 << 30, [0, 1], free_of=lambda g: (40 << 30) if g == 0 else (20 << 30))
+    assert "GPU 1" in str(e.value) and "21.5 GB free" in str(e.value) and "--num-slots" in str(e.value)

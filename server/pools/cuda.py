@@ -15,6 +15,13 @@ def cuda_available() -> bool:
         return False
 
 
+def free_bytes(device_index: int) -> int:
+    """Free memory of one GPU now (cudaMemGetInfo)."""
+    import cupy
+    with cupy.cuda.Device(device_index):
+        return int(cupy.cuda.runtime.memGetInfo()[0])
+
+
 def gpu_uuid(device_index: int) -> str:
     """The GPU's UUID, stable across processes whatever CUDA_VISIBLE_DEVICES says."""
     import cupy

@@ -99,3 +99,15 @@ def test_killed_importer_leaves_device_pool_usable():
         p.join(60)
     finally:
         pool.close()
+
+
+def test_a_device_pool_beyond_the_gpus_free_memory_fails_the_start_in_one_line(tmp_path):
+    import subprocess
+    import sys
+    from radixd.server.pools.cuda import free_bytes
+    slots = int(free_bytes(0) // (32 * 2 * 8 * 128 * 2)) + 4096  # 32 layers x (k, v) x 8 heads x 128 dims x 2 B
+    slots -= slots % 16
+    r = subprocess.run([sys.executable, "-m", "radixd.server.cli", "serve", "--device", "cuda", "--listen",
+                        f"unix:{tmp_path}/s.sock", "--layers", "32", "--kv-heads", "8", "--head-dim", "128",
+                        "--page-size", "16", "--num-slots", str(slots)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "on GPU 0" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
