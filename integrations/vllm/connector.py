@@ -11,8 +11,9 @@ Scheduler side (one radixd session per engine, so a dead engine loses its locks 
   update_connector_output     the workers report stores done: the pages are published (CacheUnfinished,
                               which frees duplicates and re-locks the longer prefix);
   request_finished            publishes what is still pending, then releases the lock.
-Worker side: maps radixd's device pool, checks the geometry, and copies whole pages synchronously
-(`start_load_kv` before the forward, stores in `wait_for_save` after it), converting layouts exactly.
+Worker side: maps radixd's device pool, checks the geometry, and copies whole pages (`start_load_kv` before
+the forward, stores in `wait_for_save` after it; on a side stream on GPU, waited for before returning),
+converting layouts exactly.
 Configure with `kv_connector_extra_config`: `radixd_target` (default `$RADIXD_TARGET` or the default
 socket), `radixd_token`, `load_back` (default true).
 """
@@ -357,22 +358,41 @@ class _Worker:
             raise ValueError(f"radixd connector: radixd's pool is on {dev.k_buffer[0].device}, vLLM's KV on "
                              f"{self.layers[0].device}")
         self.k, self.v = dev.k_buffer, dev.v_buffer
+        dv = self.layers[0].device
+        self.stream = torch.cuda.Stream(device=dv) if dv.type == "cuda" else None  # copies off the compute stream
+
+    def _copy(self, fn) -> None:
+        """Run page copies on the side stream (GPU), ordered after the forward's writes, and wait for them:
+        loads must land before the forward reads, stores before vLLM may reuse the blocks."""
+        if self.stream is None:
+            fn()
+            return
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            fn()
+        self.stream.synchronize()
 
     def _idx(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.layers[0].device)
 
     def load(self, meta: RadixdConnectorMetadata) -> None:
-        for blocks, pages in meta.loads:
-            b, p = self._idx(blocks), self._idx(pages)
-            for i, kv in enumerate(self.layers):
-                load_blocks(kv, self.geo, b, self.k[i], self.v[i], p)
+        def run() -> None:
+            for blocks, pages in meta.loads:
+                b, p = self._idx(blocks), self._idx(pages)
+                for i, kv in enumerate(self.layers):
+                    load_blocks(kv, self.geo, b, self.k[i], self.v[i], p)
+        if meta.loads:
+            self._copy(run)
 
     def save(self, meta: RadixdConnectorMetadata) -> None:
-        for sid, blocks, pages in meta.stores:
-            b, p = self._idx(blocks), self._idx(pages)
-            for i, kv in enumerate(self.layers):
-                save_blocks(kv, self.geo, b, self.k[i], self.v[i], p)
-            self.done.add(sid)
+        def run() -> None:
+            for sid, blocks, pages in meta.stores:
+                b, p = self._idx(blocks), self._idx(pages)
+                for i, kv in enumerate(self.layers):
+                    save_blocks(kv, self.geo, b, self.k[i], self.v[i], p)
+        if meta.stores:
+            self._copy(run)
+            self.done.update(sid for sid, _, _ in meta.stores)
 
     def report(self) -> Optional[RadixdWorkerMetadata]:
         if not self.done:
