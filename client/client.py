@@ -85,6 +85,11 @@ class CacheClient(_Base):
             if ev.transfer_id:
                 yield ev.transfer_id, ev.transfer_ok
 
+    def session_events(self):
+        """Everything the server tells this session on its stream, as raw SessionEvent messages (transfer
+        completions, receipts released by the lock lease, shutdown)."""
+        yield from self._stream
+
     def reconnect(self) -> str:
         """Drop the old session (if any) and attach a new one, e.g. after ServerRestarted."""
         if self._stream is not None:

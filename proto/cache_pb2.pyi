@@ -91,18 +91,20 @@ class AttachRequest(_message.Message):
     def __init__(self, client_name: _Optional[str] = ...) -> None: ...
 
 class SessionEvent(_message.Message):
-    __slots__ = ("session_id", "instance_id", "message", "transfer_id", "transfer_ok")
+    __slots__ = ("session_id", "instance_id", "message", "transfer_id", "transfer_ok", "expired_receipt_id")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_OK_FIELD_NUMBER: _ClassVar[int]
+    EXPIRED_RECEIPT_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     instance_id: str
     message: str
     transfer_id: int
     transfer_ok: bool
-    def __init__(self, session_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., message: _Optional[str] = ..., transfer_id: _Optional[int] = ..., transfer_ok: _Optional[bool] = ...) -> None: ...
+    expired_receipt_id: int
+    def __init__(self, session_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., message: _Optional[str] = ..., transfer_id: _Optional[int] = ..., transfer_ok: _Optional[bool] = ..., expired_receipt_id: _Optional[int] = ...) -> None: ...
 
 class AllocRequest(_message.Message):
     __slots__ = ("session_id", "num_tokens")

@@ -292,6 +292,7 @@ async def _run(cfg: Config, core: CacheCore, instance_id: str, sockets: list[str
     print(f"radixd ready listen={','.join(cfg.listen)} metrics=http://{metrics_at}/metrics instance={instance_id}",
           flush=True)
     loop = asyncio.get_running_loop()
+    lease_task = loop.create_task(_leases(core, cfg.lock_lease_seconds)) if cfg.lock_lease_seconds else None
     done = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, done.set)
@@ -299,9 +300,19 @@ async def _run(cfg: Config, core: CacheCore, instance_id: str, sockets: list[str
         ready.set()
     await done.wait()
     log.info("shutting down: NOT_SERVING, grace %.1fs", cfg.grace_seconds)
+    if lease_task is not None:
+        lease_task.cancel()
     await health_servicer.enter_graceful_shutdown()
     stopping.set()
     await server.stop(cfg.grace_seconds)
+
+
+async def _leases(core: CacheCore, lease: float) -> None:
+    """Every quarter lease (at most a second), release receipts older than the lease."""
+    while True:
+        await asyncio.sleep(min(lease / 4, 1.0))
+        if core.expire_leases(lease) and core.events is not None:
+            core.events.flush()
 
 
 def run(cfg: Config) -> None:

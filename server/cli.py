@@ -53,6 +53,8 @@ SERVE_FLAGS = [
     ("--tls-key", dict()),
     ("--allow-remote", dict(action="store_const", const=True, help="listen beyond loopback without a token")),
     ("--grace-seconds", dict(type=float)),
+    ("--lock-lease-seconds", dict(type=float, help="release a lock receipt held longer than this (hung clients; "
+                                                   "off by default)")),
     ("--prefault", dict(action="store_const", const=True, help="touch every pool page at start")),
     ("--model-config", dict(help="Hugging Face config.json of the engine's model: sets --layers, --kv-heads, "
                                  "--head-dim, --dtype and --mla (explicit flags win)")),

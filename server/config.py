@@ -55,6 +55,7 @@ class Config:
     tls_key: Optional[str] = None
     allow_remote: bool = False  # bind TCP beyond loopback without a token
     grace_seconds: float = 5.0
+    lock_lease_seconds: float = 0.0  # > 0: a receipt held longer is released (hung clients); off by default
     prefault: bool = False  # touch every pool page at start, so a memory shortage shows there
     model_config: Optional[str] = None  # a Hugging Face config.json: layers, KV heads, head dim, dtype, MLA
     tp_size: int = 1  # tensor-parallel size of the engine: divides the model's KV heads
@@ -127,7 +128,7 @@ class ConfigError(ValueError):
 _MIN = {"num_slots": 1, "page_size": 1, "layers": 1, "kv_heads": 1, "head_dim": 1, "host_slots": 0,
         "host_ratio": 0.0, "write_through_threshold": 1, "load_back_threshold": 0, "kv_events_buffer": 1,
         "kv_events_watcher_queue": 1, "grace_seconds": 0.0, "prefetch_threshold": 1, "prefetch_timeout_ms": 0,
-        "tp_size": 1}
+        "tp_size": 1, "lock_lease_seconds": 0.0}
 
 
 def _set(cfg: Config, name: str, value: Any, source: str, origin: dict[str, str]) -> None:

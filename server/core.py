@@ -92,6 +92,7 @@ class CacheCore:
         self.sessions = SessionTable()
         self.events = None  # the EventHub when KV events are on
         self.storage = None  # the L3 tier (server/storage) when --storage is given
+        self.expired_receipts = 0  # released by --lock-lease-seconds
         self.storage_format = ""
         if host is not None:
             host.on_load_done = self._load_landed
@@ -135,6 +136,19 @@ class CacheCore:
         self.alloc.move(held, HELD, FREE, s.owner, check=False)
         self.sessions.remove(s)
         return len(receipts), int(held.size)
+
+    def expire_leases(self, lease: float) -> int:
+        """Release receipts held longer than `lease` seconds (opt-in, for hung clients); tell their sessions."""
+        n = 0
+        for r, s in self.sessions.older_than(lease):
+            if not self.tree.has_receipt(r):
+                continue  # a load-back still in flight: its receipt is not the tree's yet
+            self.sessions.expire(s, r)
+            self.tree.unlock(r)
+            s.events.put_nowait(("expired", r))
+            n += 1
+        self.expired_receipts += n
+        return n
 
     # ---------------------------------------------------------- allocation
     def _make_room(self, pages: int) -> int:

@@ -45,6 +45,10 @@ class CacheCollector:
         yield GaugeMetricFamily("radixd_tree_nodes", "Radix tree nodes", value=t.num_nodes)
         yield GaugeMetricFamily("radixd_sessions", "Attached client sessions", value=len(core.sessions))
         yield GaugeMetricFamily("radixd_active_receipts", "Lock receipts not yet released", value=t.num_receipts)
+        yield GaugeMetricFamily("radixd_oldest_receipt_age_seconds", "How long the oldest live lock receipt has "
+                                "been held", value=core.sessions.oldest_receipt_age())
+        yield CounterMetricFamily("radixd_expired_receipts", "Lock receipts released by --lock-lease-seconds",
+                                  value=core.expired_receipts)
         yield CounterMetricFamily("radixd_host_hit_tokens", "Tokens a MatchPrefix found on the host tier only",
                                   value=t.counters.host_hit_tokens)
         yield CounterMetricFamily("radixd_backup_tokens", "Tokens copied device -> host",

@@ -120,6 +120,10 @@ class RadixCacheService(pb_grpc.RadixCacheServicer):
                         got.cancel()
                         break
                     t = got.result()
+                    if isinstance(t, tuple):  # ("expired", receipt): the lock lease released it
+                        yield pb.SessionEvent(session_id=sid, instance_id=iid, message="lock lease expired",
+                                              expired_receipt_id=t[1])
+                        continue
                     yield pb.SessionEvent(session_id=sid, instance_id=iid, message="transfer done",
                                           transfer_id=t.id, transfer_ok=t.ok)
             finally:

@@ -28,6 +28,8 @@ class SessionTable:
     def __init__(self):
         self._by_id: dict[str, Session] = {}
         self._receipt_owner: dict[int, Session] = {}
+        self._since: dict[int, float] = {}  # receipt -> when taken (monotonic); insertion order is age order
+        self._expired: dict[int, None] = {}  # receipts released by the lease, newest last (bounded)
         self._next_owner = 1
 
     def create(self, client_name: str) -> Session:
@@ -53,10 +55,35 @@ class SessionTable:
         self._by_id.pop(s.session_id, None)
         for r in s.receipts:
             self._receipt_owner.pop(r, None)
+            self._since.pop(r, None)
 
     def add_receipt(self, s: Session, receipt: int) -> None:
         s.receipts.add(receipt)
         self._receipt_owner[receipt] = s
+        self._since[receipt] = time.monotonic()
+
+    def oldest_receipt_age(self) -> float:
+        """Seconds the oldest live receipt has been held (0 without any)."""
+        for t in self._since.values():
+            return time.monotonic() - t
+        return 0.0
+
+    def older_than(self, seconds: float) -> list[tuple[int, Session]]:
+        """Receipts held longer than `seconds`, oldest first."""
+        cutoff = time.monotonic() - seconds
+        out = []
+        for r, t in self._since.items():
+            if t > cutoff:
+                break
+            out.append((r, self._receipt_owner[r]))
+        return out
+
+    def expire(self, s: Session, receipt: int) -> None:
+        """The lease released this receipt: drop it, and remember it so a later use says why."""
+        self.take_receipt(s, receipt)
+        self._expired[receipt] = None
+        if len(self._expired) > 100_000:
+            del self._expired[next(iter(self._expired))]
 
     def take_receipt(self, s: Session, receipt: int, check_only: bool = False) -> None:
         """Validate (and unless check_only, drop) a receipt the session must own."""
@@ -64,10 +91,14 @@ class SessionTable:
             other = self._receipt_owner.get(receipt)
             if other is not None:
                 raise Conflict(f"receipt {receipt:#x} belongs to another session")
+            if receipt in self._expired:
+                raise NotFound(f"receipt {receipt:#x} expired: it was held longer than --lock-lease-seconds and "
+                               "released by the server")
             raise NotFound(f"receipt {receipt:#x} is unknown or already released")
         if not check_only:
             s.receipts.discard(receipt)
             self._receipt_owner.pop(receipt, None)
+            self._since.pop(receipt, None)
 
     def __len__(self) -> int:
         return len(self._by_id)
