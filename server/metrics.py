@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from .pools.allocator import STATE_NAMES
@@ -79,8 +79,8 @@ class CacheCollector:
             yield b
             yield pages
             err = CounterMetricFamily("radixd_storage_errors", "L3 failures by kind", labels=["kind"])
-            for kind, n in sorted(st.errors.items()):
-                err.add_metric([kind], n)
+            for kind in sorted(set(st.errors) | {"io", "timeout", "unavailable", "error", "skipped_down"}):
+                err.add_metric([kind], st.errors.get(kind, 0))  # known kinds at 0, so the series exist
             yield err
             out = CounterMetricFamily("radixd_prefetch_outcomes", "L3 prefetches by outcome", labels=["outcome"])
             for o in sorted(set(st.outcomes) | {"completed", "truncated", "timed_out", "error"}):
@@ -93,6 +93,7 @@ class Metrics:
     """Per-RPC latency and outcome; plus the live collector."""
 
     def __init__(self, core: "CacheCore"):
+        disable_created_metrics()  # no `_created` twin of every counter and histogram
         self.registry = CollectorRegistry()
         self.latency = Histogram("radixd_rpc_latency_seconds", "Server-side RPC latency", ["method"],
                                  buckets=BUCKETS, registry=self.registry)
