@@ -289,8 +289,10 @@ async def _run(cfg: Config, core: CacheCore, instance_id: str, sockets: list[str
     pools = ",".join(f"{p.backend}:{p.tier}" for p in core.device_pools + ([core.host_pool] if core.host_pool else []))
     log.info("radixd %s instance=%s pools=%s metrics=http://%s/metrics %s", __import__("radixd.server").server.__version__,
              instance_id, pools, metrics_at, cfg.summary())
-    print(f"radixd ready listen={','.join(cfg.listen)} metrics=http://{metrics_at}/metrics instance={instance_id}",
-          flush=True)
+    host_tokens = core.host_alloc.capacity if core.host_alloc is not None else 0
+    print(f"radixd ready listen={','.join(cfg.listen)} metrics=http://{metrics_at}/metrics "
+          f"device_tokens={cfg.num_slots} host_tokens={host_tokens} "
+          f"bytes_per_token={core.device_pools[0].spec.slot_bytes} instance={instance_id}", flush=True)
     loop = asyncio.get_running_loop()
     lease_task = loop.create_task(_leases(core, cfg.lock_lease_seconds)) if cfg.lock_lease_seconds else None
     done = asyncio.Event()

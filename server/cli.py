@@ -58,7 +58,9 @@ SERVE_FLAGS = [
     ("--prefault", dict(action="store_const", const=True, help="touch every pool page at start")),
     ("--model-config", dict(help="Hugging Face config.json of the engine's model: sets --layers, --kv-heads, "
                                  "--head-dim, --dtype and --mla (explicit flags win)")),
+    ("--model", dict(help="a bundled model preset for the KV geometry (e.g. llama-3.1-8b, qwen2.5-7b, deepseek-v3)")),
     ("--tp-size", dict(type=int, help="the engine's tensor-parallel size (divides the model's KV heads)")),
+    ("--device-mem", dict(help="device pool size in bytes, e.g. 40GiB (instead of --num-slots)")),
 ]
 
 
@@ -186,6 +188,49 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {message} (see --help)\n")
 
 
+def _ints(text: str) -> list[int]:
+    from .config import parse_bytes
+    return [int(parse_bytes(x)) if x[-1:].isalpha() else int(x) for x in text.split(",") if x]
+
+
+def cmd_simulate(args) -> None:
+    """Replay a trace (or a synthetic workload) through the real tree over a grid; table, CSV, plots."""
+    from . import simulate as sim
+    try:
+        caps, pages = _ints(args.capacity), _ints(args.page)
+        host_x = [float(x) for x in args.host_x.split(",") if x]
+    except ValueError as e:
+        raise UsageError(f"simulate: {e}") from None
+    from .tree import POLICIES
+    policies = [p for p in args.policy.split(",") if p]
+    bad = [p for p in policies if p not in POLICIES]
+    if bad or not policies:
+        raise UsageError(f"simulate --policy: {bad or policies} not among {', '.join(POLICIES)}")
+    if args.trace == "synthetic":
+        total = args.requests or 2000
+        make = lambda: sim.synthetic_requests(total)  # noqa: E731
+    else:
+        if not os.path.exists(args.trace):
+            raise UsageError(f"simulate --trace: {args.trace} does not exist")
+        with open(args.trace) as fh:
+            total = sum(1 for _ in fh)
+        total = min(total, args.requests) if args.requests else total
+        make = lambda: sim.trace_requests(args.trace, total)  # noqa: E731
+    os.makedirs(args.out, exist_ok=True)
+    results, timelines = sim.run_grid(make, caps, host_x, policies, pages, every=max(total // 50, 1),
+                                      progress=not args.quiet, total=total)
+    print(sim.table(results))
+    csv_path = os.path.join(args.out, "simulate.csv")
+    sim.write_csv(results, csv_path)
+    outputs = [csv_path]
+    if not args.no_plots:
+        try:
+            outputs += sim.plot(results, timelines, args.out)
+        except ImportError:
+            print("matplotlib is not installed (pip install 'radixd[plots]'): no plots", file=sys.stderr)
+    print("wrote " + " ".join(outputs))
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = _Parser(prog="radixd", description="KV-cache manager for LLM serving")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -196,6 +241,17 @@ def main(argv: list[str] | None = None) -> None:
     demo = sub.add_parser("demo", help="start a server and run a short demo client against it")
     demo.add_argument("--conversations", type=int, default=20)
     demo.set_defaults(fn=cmd_demo)
+    simp = sub.add_parser("simulate", help="what-if replay of a trace through the tree over a grid of settings")
+    simp.add_argument("--trace", default="synthetic", help="Mooncake-format JSONL trace, or 'synthetic'")
+    simp.add_argument("--requests", type=int, default=0, help="replay at most this many requests")
+    simp.add_argument("--capacity", default="65536,262144,1048576", help="device capacities in tokens (comma list)")
+    simp.add_argument("--host-x", default="0", help="host tier sizes as multiples of the device (comma list)")
+    simp.add_argument("--policy", default="lru", help="eviction policies (comma list)")
+    simp.add_argument("--page", default="16", help="page sizes (comma list)")
+    simp.add_argument("--out", default="radixd-simulate", help="folder for the CSV and the plots")
+    simp.add_argument("--no-plots", action="store_true")
+    simp.add_argument("--quiet", action="store_true", help="no progress bar")
+    simp.set_defaults(fn=cmd_simulate)
     for name, fn, help_ in (("stats", cmd_stats, "print server statistics"), ("info", cmd_info, "print pools"),
                             ("check", cmd_check, "run the server's invariant checker"),
                             ("events", cmd_events, "print KV events as JSON lines"),

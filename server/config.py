@@ -58,6 +58,8 @@ class Config:
     lock_lease_seconds: float = 0.0  # > 0: a receipt held longer is released (hung clients); off by default
     prefault: bool = False  # touch every pool page at start, so a memory shortage shows there
     model_config: Optional[str] = None  # a Hugging Face config.json: layers, KV heads, head dim, dtype, MLA
+    model: Optional[str] = None  # a bundled preset (server/models.py) instead of --model-config
+    device_mem: Optional[str] = None  # device pool size in bytes ("40GiB"); the slot count is derived
     tp_size: int = 1  # tensor-parallel size of the engine: divides the model's KV heads
     config: Optional[str] = None
 
@@ -208,10 +210,43 @@ def load(flags: dict[str, Any], flag_names: Optional[dict[str, str]] = None) -> 
     for k, v in flags.items():
         if v is not None:
             _set(cfg, k, v, (flag_names or {}).get(k, f"--{k.replace('_', '-')}"), origin)
-    if cfg.model_config:
+    if cfg.model_config and cfg.model:
+        raise ConfigError(f"{origin['model']} and {origin['model_config']}: give one of --model, --model-config")
+    if cfg.model_config or cfg.model:
         _apply_model(cfg, origin)
+    if cfg.device_mem:
+        _size_device(cfg, origin)
     _check(cfg, origin)
     return cfg
+
+
+def slot_bytes_of(cfg: Config) -> int:
+    """Bytes one token's KV takes across all layers (K and V, or the MLA latent)."""
+    from .pools.spec import DTYPES
+    return cfg.layers * (1 if cfg.mla else 2) * cfg.kv_heads * cfg.head_dim * DTYPES[cfg.dtype][0]
+
+
+def _size_device(cfg: Config, origin: dict[str, str]) -> None:
+    """--device-mem: as many whole pages as fit."""
+    src = origin["device_mem"]
+    if "num_slots" in origin:
+        raise ConfigError(f"{src} and {origin['num_slots']}: give one of --device-mem, --num-slots")
+    try:
+        budget = parse_bytes(cfg.device_mem)
+    except ValueError as e:
+        raise ConfigError(f"{src}: {e}") from None
+    if cfg.dtype not in _DTYPE_NAMES or cfg.page_size < 1:
+        return  # _check reports those
+    slots = budget // slot_bytes_of(cfg)
+    slots -= slots % cfg.page_size
+    if slots < cfg.page_size:
+        raise ConfigError(f"{src}: {cfg.device_mem} holds less than one page ({slot_bytes_of(cfg) * cfg.page_size} "
+                          "bytes) of this model's KV")
+    cfg.num_slots = slots
+    origin["num_slots"] = f"{src} ({cfg.device_mem})"
+
+
+_DTYPE_NAMES = ("float16", "bfloat16", "float32", "fp8_e4m3")
 
 
 _HF_DTYPES = {"float16": "float16", "half": "float16", "bfloat16": "bfloat16", "float32": "float32",
@@ -236,8 +271,18 @@ def model_geometry(hf: dict[str, Any], tp_size: int = 1) -> dict[str, Any]:
 
 
 def _apply_model(cfg: Config, origin: dict[str, str]) -> None:
-    """Fill the KV geometry from --model-config; settings given explicitly win."""
+    """Fill the KV geometry from --model-config or a --model preset; settings given explicitly win."""
     import json
+    if cfg.model:
+        from .models import PRESETS
+        if cfg.model not in PRESETS:
+            raise ConfigError(f"{origin['model']}: unknown model {cfg.model!r}; presets: {', '.join(sorted(PRESETS))} "
+                              "(or give --model-config PATH/config.json)")
+        for name, value in model_geometry(PRESETS[cfg.model], cfg.tp_size).items():
+            if name not in origin:
+                setattr(cfg, name, value)
+                origin[name] = f"{origin['model']} ({cfg.model})"
+        return
     src = origin.get("model_config", "--model-config")
     try:
         with open(cfg.model_config) as fh:

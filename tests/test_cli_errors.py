@@ -159,7 +159,7 @@ ANY_STRING = {"--token": "any string is a token", "--kv-events-topic": "any stri
 BAD_VALUE = {"--listen": "bogus", "--gpus": "a,b", "--host-mem": "lots", "--metrics-addr": "nohost",
              "--config": "/nonexistent/radixd.toml", "--tls-cert": "/etc/hostname", "--tls-key": "/etc/hostname",
              "--kv-events-endpoint": "bogus", "--kv-events-replay-endpoint": "bogus", "--storage": "ftp://store",
-             "--model-config": "/nonexistent/config.json"}
+             "--model-config": "/nonexistent/config.json", "--model": "no-such-model", "--device-mem": "lots"}
 
 
 def _bad_argv(name: str, opts: dict) -> list[str]:
@@ -195,3 +195,42 @@ def test_a_device_pool_larger_than_the_gpu_has_free_is_refused():
     with pytest.raises(StartupError) as e:
         check_gpus(30 << 30, [0, 1], free_of=lambda g: (40 << 30) if g == 0 else (20 << 30))
     assert "GPU 1" in str(e.value) and "21.5 GB free" in str(e.value) and "--num-slots" in str(e.value)
+
+
+
+def test_sizing_by_model_preset_and_bytes():
+    from radixd.server.config import ConfigError, load, slot_bytes_of
+    cfg = load({"model": "llama-3.1-8b", "device_mem": "1GiB", "page_size": 16})
+    assert (cfg.layers, cfg.kv_heads, cfg.head_dim, cfg.dtype) == (32, 8, 128, "bfloat16")
+    assert slot_bytes_of(cfg) == 32 * 2 * 8 * 128 * 2 and cfg.num_slots == (1 << 30) // slot_bytes_of(cfg)
+    ds = load({"model": "deepseek-v3", "device_mem": "1GiB", "tp_size": 8})
+    assert (ds.mla, ds.kv_heads, ds.head_dim) == (True, 1, 576) and slot_bytes_of(ds) == 61 * 576 * 2
+    with pytest.raises(ConfigError, match="presets: "):
+        load({"model": "gpt-17"})
+    with pytest.raises(ConfigError, match="give one of --device-mem, --num-slots"):
+        load({"device_mem": "1GiB", "num_slots": 64})
+    with pytest.raises(ConfigError, match="less than one page"):
+        load({"model": "llama-3.1-70b", "device_mem": "1KiB"})
+
+
+def test_the_ready_line_says_what_was_sized(tmp_path):
+    p = subprocess.Popen(CLI + ["serve", "--device", "cpu", "--listen", f"unix:{tmp_path}/s.sock", "--model",
+                                "qwen2.5-7b", "--device-mem", "64MiB", "--page-size", "16"],
+                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = p.stdout.readline()
+    finally:
+        p.terminate()
+        p.wait(30)
+    per_token = 28 * 2 * 4 * 128 * 2
+    slots = (64 << 20) // per_token // 16 * 16
+    assert f"device_tokens={slots} host_tokens=0 bytes_per_token={per_token} instance=" in line, line
+
+
+def test_every_serve_flag_is_in_the_readme():
+    from pathlib import Path
+
+    from radixd.server.cli import SERVE_FLAGS
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = readme.split("## Using it", 1)[1].split("```")[1]
+    assert not [name for name, _ in SERVE_FLAGS if name not in block], "README's flag block is out of date"

@@ -1,0 +1,251 @@
+"""`radixd simulate`: what-if replays of a trace through the real tree, in process, over a grid of cache sizes,
+host tiers, eviction policies and page sizes; a table, a CSV and (with matplotlib) PNG plots.
+
+Each request: match (device, then host: a load-back brings the host part in), lock the prefix, evict for the
+rest, insert (write-through backups to the host tier happen at once; copies are not simulated), unlock. Slots
+are plain numbers; only the tree's decisions are simulated, so the result is the tree's hit rate on that
+traffic, not a timing. Traces are Mooncake JSONL (`hash_ids` of 512-token blocks, `input_length`), expanded
+to token ids block by block (deterministic per block id, as ../shared/traces/README.md describes), one
+request at a time, so memory stays at the tree's own size.
+"""
+from __future__ import annotations
+
+import csv
+import itertools
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Iterable, Iterator, Optional
+
+import numpy as np
+
+from .tree import RadixTree
+
+BLOCK = 512
+
+
+def trace_requests(path: str, limit: Optional[int] = None) -> Iterator[np.ndarray]:
+    """Token ids of each request of a Mooncake-format trace (blocks regenerated from their ids)."""
+    with open(path) as fh:
+        for i, line in enumerate(fh):
+            if limit is not None and i >= limit:
+                return
+            req = json.loads(line)
+            parts = [np.random.default_rng(b).integers(0, 32000, BLOCK, dtype=np.int32) for b in req["hash_ids"]]
+            yield np.concatenate(parts)[:req["input_length"]] if parts else np.zeros(0, np.int32)
+
+
+def synthetic_requests(n: int, seed: int = 0) -> Iterator[np.ndarray]:
+    """Multi-turn conversations over a few shared system prompts (a stand-in when no trace is given)."""
+    rng = np.random.default_rng(seed)
+    systems = [rng.integers(0, 32000, int(rng.integers(200, 1200)), dtype=np.int32) for _ in range(8)]
+    convs: list[np.ndarray] = []
+    for _ in range(n):
+        if convs and rng.random() < 0.6:
+            i = int(rng.integers(len(convs)))
+            convs[i] = np.concatenate([convs[i], rng.integers(0, 32000, int(rng.integers(50, 400)), dtype=np.int32)])
+            yield convs[i]
+        else:
+            c = np.concatenate([systems[int(rng.integers(len(systems)))],
+                                rng.integers(0, 32000, int(rng.integers(50, 600)), dtype=np.int32)])
+            convs.append(c)
+            if len(convs) > 200:
+                convs.pop(0)
+            yield c
+
+
+class _Slots:
+    """A free list of slot numbers (a stack in a numpy array)."""
+
+    def __init__(self, n: int):
+        self.free = np.arange(n, dtype=np.int32)
+        self.top = n
+
+    def take(self, n: int) -> np.ndarray:
+        self.top -= n
+        return self.free[self.top:self.top + n].copy()
+
+    def give(self, slots: np.ndarray) -> None:
+        k = int(slots.size)
+        self.free[self.top:self.top + k] = slots
+        self.top += k
+
+
+@dataclass
+class Result:
+    """One cell of the grid."""
+
+    device_tokens: int
+    host_tokens: int
+    policy: str
+    page: int
+    requests: int = 0
+    tokens: int = 0
+    device_hit: int = 0
+    host_hit: int = 0
+    evicted: int = 0
+    loaded_back: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return (self.device_hit + self.host_hit) / self.tokens if self.tokens else 0.0
+
+    @property
+    def host_share(self) -> float:
+        hits = self.device_hit + self.host_hit
+        return self.host_hit / hits if hits else 0.0
+
+
+class Simulator:
+    """The tree of one grid cell with plain-number slots; `step(tokens)` serves one request."""
+
+    def __init__(self, device_tokens: int, host_tokens: int = 0, policy: str = "lru", page: int = 16):
+        self.tree = RadixTree(page_size=page, policy=policy, write_policy="write_through" if host_tokens else None,
+                              load_back_threshold=page)
+        self.dev, self.host = _Slots(device_tokens), _Slots(host_tokens)
+        self.page = page
+        self.r = Result(device_tokens, host_tokens, policy, page)
+
+    def _room(self, n: int) -> bool:
+        if self.dev.top < n:
+            ev = self.tree.evict(n - self.dev.top)
+            self.dev.give(ev.freed)
+            self.r.evicted += ev.evicted_tokens
+        return self.dev.top >= n
+
+    def _backups(self, actions) -> None:
+        for i, a in enumerate(actions):
+            if self.host.top < a.tokens:
+                self.host.give(self.tree.evict_host(a.tokens - self.host.top).freed)
+            if self.host.top < a.tokens:  # no host room: this and the rest stay device-only
+                for b in reversed(actions[i:]):
+                    f = self.tree.abort_backup(b.ack)
+                    self.host.give(f.host)
+                    self.dev.give(f.device)
+                return
+            self.tree.commit_backup(a.ack, self.host.take(a.tokens))
+            self.dev.give(self.tree.finish_backup(a.ack).device)
+
+    def step(self, tokens: np.ndarray) -> None:
+        t, r = self.tree, self.r
+        n = len(tokens) - len(tokens) % self.page
+        r.requests += 1
+        r.tokens += n
+        if n == 0:
+            return
+        m = t.match_prefix(tokens[:n])
+        prefix, receipt = m.indices, t.lock(m.best_node_id)  # the host part too, until it is loaded
+        r.device_hit += m.matched_len
+        if m.host_hit_len:
+            plan = t.load_back(m.best_node_id, None, self.dev.top)
+            if plan.op and self._room(plan.tokens):
+                path = t.commit_load_back(plan.op, self.dev.take(plan.tokens))
+                t.finish_load_back(plan.op)
+                t.unlock(receipt)
+                prefix, receipt = path, plan.op
+                r.host_hit += plan.tokens
+                r.loaded_back += plan.tokens
+            elif plan.op:
+                self.dev.give(t.abort_load_back(plan.op))
+        need = n - len(prefix)
+        if need and self._room(need):
+            new = self.dev.take(need)
+            ins = t.insert(tokens[:n], np.concatenate([prefix, new]), prev_prefix_len=len(prefix))
+            self.dev.give(ins.duplicates)
+            self.dev.give(ins.tail)
+            self._backups(ins.backups)
+        t.unlock(receipt)
+
+
+def _progress(done: int, total: int, t0: float) -> None:
+    width = 30
+    k = int(width * done / total) if total else width
+    rate = done / max(time.perf_counter() - t0, 1e-9)
+    sys.stderr.write(f"\r[{'#' * k}{'.' * (width - k)}] {done}/{total} requests  {rate:,.0f}/s")
+    if done == total:
+        sys.stderr.write("\n")
+    sys.stderr.flush()
+
+
+def run_grid(make_requests: Callable[[], Iterable[np.ndarray]], capacities: list[int], host_x: list[float],
+             policies: list[str], pages: list[int], every: int = 100, progress: bool = True,
+             total: Optional[int] = None):
+    """Every cell of the grid over the same requests; returns (results, timelines of hit rate per window)."""
+    cells = list(itertools.product(capacities, host_x, policies, pages))
+    results, timelines = [], {}
+    for i, (cap, hx, pol, page) in enumerate(cells):
+        if progress:
+            sys.stderr.write(f"cell {i + 1}/{len(cells)}: device {cap}, host {hx:g}x, {pol}, page {page}\n")
+        sim = Simulator(cap, int(cap * hx), pol, page)
+        line, last = [], (0, 0)
+        t0 = time.perf_counter()
+        count = 0
+        for tokens in make_requests():
+            sim.step(tokens)
+            count += 1
+            if count % every == 0:
+                hits = sim.r.device_hit + sim.r.host_hit
+                line.append((count, (hits - last[0]) / max(sim.r.tokens - last[1], 1)))
+                last = (hits, sim.r.tokens)
+            if progress and total and count % 200 == 0:
+                _progress(count, total, t0)
+        total = count
+        if progress:
+            _progress(count, total, t0)
+        results.append(sim.r)
+        timelines[(cap, hx, pol, page)] = line
+    return results, timelines
+
+
+def table(results: list[Result]) -> str:
+    rows = [f"{'device':>9} {'host':>9} {'policy':>8} {'page':>4} {'hit rate':>9} {'host share':>10} "
+            f"{'evicted':>10} {'loaded back':>12}"]
+    for r in results:
+        rows.append(f"{r.device_tokens:9d} {r.host_tokens:9d} {r.policy:>8} {r.page:4d} {r.hit_rate:9.3f} "
+                    f"{r.host_share:10.3f} {r.evicted:10d} {r.loaded_back:12d}")
+    return "\n".join(rows)
+
+
+def write_csv(results: list[Result], path: str) -> None:
+    with open(path, "w", newline="") as fh:
+        w = csv.writer(fh)
+        fields = list(asdict(results[0])) + ["hit_rate", "host_share"]
+        w.writerow(fields)
+        for r in results:
+            w.writerow(list(asdict(r).values()) + [f"{r.hit_rate:.6f}", f"{r.host_share:.6f}"])
+
+
+def plot(results: list[Result], timelines: dict, out_dir: str) -> list[str]:
+    """hit rate vs device capacity (a line per policy, host tier and page) and hit rate over time."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    paths = []
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    keys = sorted({(r.policy, r.host_tokens / r.device_tokens, r.page) for r in results})
+    for pol, hx, page in keys:
+        pts = sorted((r.device_tokens, r.hit_rate) for r in results
+                     if (r.policy, r.host_tokens / r.device_tokens, r.page) == (pol, hx, page))
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{pol} host {hx:g}x page {page}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("device capacity (tokens)")
+    ax.set_ylabel("token hit rate")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    paths.append(os.path.join(out_dir, "hit_rate_vs_capacity.png"))
+    fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for (cap, hx, pol, page), line in sorted(timelines.items()):
+        if line:
+            ax.plot([p[0] for p in line], [p[1] for p in line], label=f"{cap} {pol} host {hx:g}x p{page}")
+    ax.set_xlabel("requests")
+    ax.set_ylabel("token hit rate (window)")
+    ax.legend(fontsize=6)
+    ax.grid(alpha=0.3)
+    paths.append(os.path.join(out_dir, "hit_rate_over_time.png"))
+    fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return paths

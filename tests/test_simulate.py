@@ -1,0 +1,94 @@
+"""`radixd simulate`: its hit counts against a direct model, its slot accounting, and the CLI's outputs."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from radixd.server.simulate import Simulator, synthetic_requests, trace_requests
+
+CLI = [sys.executable, "-m", "radixd.server.cli"]
+
+
+def _prefix_model_hits(reqs: list[np.ndarray], page: int) -> int:
+    """With room for everything, a request hits the longest page-aligned prefix any earlier request had."""
+    seen: set[bytes] = set()
+    hits = 0
+    for r in reqs:
+        n = len(r) - len(r) % page
+        k = 0
+        while k + page <= n and r[:k + page].tobytes() in seen:
+            k += page
+        hits += k
+        for j in range(page, n + 1, page):
+            seen.add(r[:j].tobytes())
+    return hits
+
+
+@pytest.mark.parametrize("page", [1, 16])
+def test_unbounded_cache_hits_exactly_what_was_seen_before(page):
+    reqs = list(synthetic_requests(150, seed=page))
+    sim = Simulator(device_tokens=sum(map(len, reqs)) + 1024, page=page)
+    for r in reqs:
+        sim.step(r)
+    assert sim.r.device_hit == _prefix_model_hits(reqs, page) and sim.r.evicted == 0
+    assert sim.tree.check() == []
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "slru"])
+def test_a_host_tier_adds_hits_and_every_slot_is_accounted_for(policy):
+    reqs = list(synthetic_requests(400, seed=3))
+    alone, tiered = Simulator(8192, 0, policy, 16), Simulator(8192, 4 * 8192, policy, 16)
+    for r in reqs:
+        alone.step(r)
+        tiered.step(r)
+    assert tiered.r.hit_rate > alone.r.hit_rate and tiered.r.host_hit > 0 and tiered.r.loaded_back > 0
+    assert alone.r.evicted > 0
+    for sim in (alone, tiered):
+        assert sim.tree.check() == []
+        assert sim.dev.top + sim.tree.cached_tokens == sim.r.device_tokens  # free + cached = capacity
+        assert sim.host.top + sim.tree.host_cached_tokens == sim.r.host_tokens
+
+
+def test_trace_expansion_is_deterministic_per_block(tmp_path):
+    f = tmp_path / "t.jsonl"
+    f.write_text(json.dumps(dict(timestamp=0, input_length=700, output_length=5, hash_ids=[7, 9])) + "\n"
+                 + json.dumps(dict(timestamp=1, input_length=300, output_length=5, hash_ids=[7])) + "\n")
+    a, b = list(trace_requests(str(f)))
+    assert len(a) == 700 and len(b) == 300 and np.array_equal(a[:300], b)
+
+
+def test_the_cli_prints_a_table_writes_a_csv_and_plots(tmp_path):
+    f = tmp_path / "trace.jsonl"
+    rng = np.random.default_rng(0)
+    with open(f, "w") as fh:
+        for i in range(120):
+            ids = list(range(int(rng.integers(0, 4)) * 10, int(rng.integers(0, 4)) * 10 + int(rng.integers(1, 6))))
+            fh.write(json.dumps(dict(timestamp=i, input_length=len(ids) * 512 - 7, output_length=1, hash_ids=ids)) + "\n")
+    out = tmp_path / "out"
+    r = subprocess.run(CLI + ["simulate", "--trace", str(f), "--capacity", "2048,16384", "--host-x", "0,2",
+                              "--policy", "lru,lfu", "--page", "16", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "hit rate" in r.stdout and r.stdout.count("\n") >= 9 and "requests" in r.stderr  # table, progress
+    rows = (out / "simulate.csv").read_text().strip().splitlines()
+    assert len(rows) == 1 + 8 and rows[0].startswith("device_tokens,host_tokens,policy,page")
+    small = [line for line in rows[1:] if line.startswith("2048,0,lru")][0].split(",")
+    big = [line for line in rows[1:] if line.startswith("16384,0,lru")][0].split(",")
+    assert float(big[-2]) >= float(small[-2])  # more room never hits less on the same traffic (LRU)
+    pngs = [out / "hit_rate_vs_capacity.png", out / "hit_rate_over_time.png"]
+    for p in pngs:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and os.path.getsize(p) > 5000
+    assert f"wrote {out / 'simulate.csv'}" in r.stdout
+
+
+def test_bad_simulate_arguments_are_one_line(tmp_path):
+    for argv, text in ((["--policy", "best"], "--policy"), (["--trace", "/nonexistent.jsonl"], "--trace"),
+                       (["--capacity", "lots"], "simulate")):
+        r = subprocess.run(CLI + ["simulate", "--out", str(tmp_path), *argv], capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and text in r.stderr, r.stderr
