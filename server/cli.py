@@ -231,6 +231,20 @@ def cmd_simulate(args) -> None:
     print("wrote " + " ".join(outputs))
 
 
+def cmd_top(args) -> None:
+    """A live view of a running server (q or Ctrl-C quits)."""
+    try:
+        import rich  # noqa: F401
+    except ImportError:
+        raise UsageError("top needs rich: pip install 'radixd[top]'") from None
+    from .top import run
+    c = _client(args)
+    try:
+        run(c, interval=args.interval, iterations=args.iterations)
+    finally:
+        c.close()
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = _Parser(prog="radixd", description="KV-cache manager for LLM serving")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -255,8 +269,12 @@ def main(argv: list[str] | None = None) -> None:
     for name, fn, help_ in (("stats", cmd_stats, "print server statistics"), ("info", cmd_info, "print pools"),
                             ("check", cmd_check, "run the server's invariant checker"),
                             ("events", cmd_events, "print KV events as JSON lines"),
-                            ("health", cmd_health, "gRPC health check for probes (exit 0 = serving)")):
+                            ("health", cmd_health, "gRPC health check for probes (exit 0 = serving)"),
+                            ("top", cmd_top, "live view: hit rate, pools, RPC rates and latency (q quits)")):
         p = sub.add_parser(name, help=help_)
+        if name == "top":
+            p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+            p.add_argument("--iterations", type=int, default=0, help="print this many frames and exit (headless)")
         if name == "health":
             p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for an answer")
         if name == "events":

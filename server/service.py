@@ -100,7 +100,8 @@ class RadixCacheService(pb_grpc.RadixCacheServicer):
                              version=__version__, capacity_tokens=c.alloc.capacity,
                              max_batch_tokens=c.max_batch_tokens, write_policy=c.tree.write_policy or "",
                              device_pools=[descriptor_msg(p.descriptor) for p in c.device_pools],
-                             storage=c.storage.store.describe() if c.storage else "", storage_format=c.storage_format)
+                             storage=c.storage.store.describe() if c.storage else "", storage_format=c.storage_format,
+                             metrics_url=f"http://{self.metrics.address}/metrics" if self.metrics.address else "")
         if c.host_pool is not None:
             info.host_pool.CopyFrom(descriptor_msg(c.host_pool.descriptor))
         return info
