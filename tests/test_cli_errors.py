@@ -234,3 +234,10 @@ def test_every_serve_flag_is_in_the_readme():
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     block = readme.split("## Using it", 1)[1].split("```")[1]
     assert not [name for name, _ in SERVE_FLAGS if name not in block], "README's flag block is out of date"
+
+
+def test_every_serve_flag_has_help_text():
+    from radixd.server.cli import SERVE_FLAGS
+    assert not [name for name, kw in SERVE_FLAGS if len(kw.get("help", "")) < 10]
+    r = _run(["serve", "--help"])
+    assert r.returncode == 0 and all(name in r.stdout for name, _ in SERVE_FLAGS)
