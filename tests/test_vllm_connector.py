@@ -52,14 +52,14 @@ def _server(model_dir: str) -> ServerProc:
 
 
 def _engine(model_dir: str, prompts: list[list[int]], target: str = "", multiprocess: bool = False,
-            max_tokens: int = 8, check: bool = True, popen: bool = False):
+            max_tokens: int = 8, check: bool = True, popen: bool = False, extra: tuple = ()):
     d = tempfile.mkdtemp(prefix="radixd-vllm-run-")
     pj, oj = os.path.join(d, "prompts.json"), os.path.join(d, "out.json")
     json.dump(prompts, open(pj, "w"))
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0",
            "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": ""}
     cmd = [VLLM_PY, str(ENGINE), model_dir, pj, oj, "--max-tokens", str(max_tokens)] + \
-        (["--radixd", target] if target else [])
+        (["--radixd", target] if target else []) + list(extra)
     log = open(os.path.join(d, "engine.log"), "w+")
     # its own process group: vLLM's engine-core child would otherwise outlive it (and hold pipes open)
     p = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -120,6 +120,20 @@ def test_engine_b_reuses_engine_a_kv_and_generates_the_same_tokens(model_dir, re
             b = _engine(model_dir, [P + SUFFIX, PARTIAL], srv.target, multiprocess)
             assert b[0]["cached"] == 192 and b[0]["tokens"] == reference[0]["tokens"]  # an external hit
             assert b[1]["cached"] >= 96 and b[1]["tokens"] == reference[1]["tokens"]
+            _settled(c)
+    finally:
+        srv.stop()
+
+
+@needs_vllm
+def test_pages_vllm_had_locally_are_stored_when_radixd_lacks_them(model_dir):
+    srv = _server(model_dir)
+    try:
+        with CacheClient(srv.target, name="test") as c:
+            out = _engine(model_dir, [P, P], srv.target, extra=["--evict-between"])
+            assert out[0]["evicted"] == 192  # radixd had the first run's pages, then lost them
+            assert out[1]["cached"] == 192  # the second run hits vLLM's own cache...
+            assert out[1]["evicted"] == 192  # ...and put the pages back into radixd (evicted again after it)
             _settled(c)
     finally:
         srv.stop()

@@ -49,6 +49,7 @@ def main() -> None:
     ap.add_argument("--radixd", default="")
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--evict-between", action="store_true", help="empty radixd's device tier after each prompt")
     args = ap.parse_args()
     if not os.path.exists(os.path.join(args.model_dir, "model.safetensors")):
         build_model(args.model_dir)
@@ -72,6 +73,10 @@ def main() -> None:
         r = llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0]
         out.append(dict(tokens=list(r.outputs[0].token_ids), cached=r.num_cached_tokens or 0,
                         seconds=time.perf_counter() - t0))
+        if args.evict_between:
+            from radixd.client import CacheClient
+            with CacheClient(args.radixd, attach=False) as c:
+                out[-1]["evicted"] = c.evict(1 << 30)
     json.dump(out, open(args.out, "w"))
     print("engine done", flush=True)
     sys.stdout.flush()

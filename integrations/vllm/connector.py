@@ -199,10 +199,9 @@ class _Scheduler:
         st = _Req(list(toks), _namespace(request), local=num_computed)
         self.reqs[rid] = st
         n = self._align(len(toks) - 1)  # the engine always computes the last prompt token itself
-        if n <= num_computed:
-            st.planned = num_computed
+        if n == 0:
             return 0
-        try:
+        try:  # asked even when vLLM has it all: radixd's prefix is where this request's stores begin
             m = self.client.match_prefix(np.asarray(toks[:n], dtype=np.int32), lock=True, **st.ns)
             st.prefix, st.receipt = m.indices, m.receipt_id
             if self.conn.load_back and m.host_hit_len:
