@@ -77,14 +77,16 @@ class Req:
 class Engine:
     """One SGLang engine's cache side: its own KV pool, allocator, req_to_token table and tree."""
 
-    def __init__(self, backend: bool = True, slots: int = 512):
+    def __init__(self, backend: bool = True, slots: int = 512, tp: tuple = (1, 0, None)):
+        tp_size, self.rank, group = tp
         self.r2t = ReqToTokenPool(size=8, max_context_len=256, device="cpu", enable_memory_saver=False)
-        self.kv = MHATokenToKVPool(size=slots, page_size=PAGE, dtype=torch.float32, head_num=HEADS, head_dim=DIM,
-                                   layer_num=LAYERS, device="cpu", enable_memory_saver=False)
+        self.kv = MHATokenToKVPool(size=slots, page_size=PAGE, dtype=torch.float32, head_num=HEADS // tp_size,
+                                   head_dim=DIM, layer_num=LAYERS, device="cpu", enable_memory_saver=False)
         self.alloc = PagedTokenToKVPoolAllocator(slots, PAGE, torch.float32, "cpu", self.kv, False)
         params = CacheInitParams(disable=False, req_to_token_pool=self.r2t, token_to_kv_pool_allocator=self.alloc,
                                  page_size=PAGE)
-        self.cache = RadixdRadixCache(params, target=TARGET) if backend else RadixCache(params)
+        self.cache = RadixdRadixCache(params, tp_size, self.rank, group, target=TARGET) if backend \
+            else RadixCache(params)
         self._rows = iter(range(1, 8))
 
     def request(self, rid: str, tokens: list[int], **kw) -> Req:
@@ -109,7 +111,7 @@ class Engine:
         req.lock = self.cache.lock(node)
         new = self.alloc.alloc(-(-(upto - have) // PAGE) * PAGE)[:upto - have]
         self.r2t.req_to_token[req.kv.req_pool_idx, have:upto] = new.to(torch.int32)
-        toks = torch.tensor(req.full_untruncated_fill_ids[have:upto], dtype=torch.float32)
+        toks = torch.tensor(req.full_untruncated_fill_ids[have:upto], dtype=torch.float32) + 1000 * self.rank
         for layer in range(LAYERS):  # "the forward pass": KV values that depend on token and layer
             self.kv.k_buffer[layer][new] = (toks * 10 + layer)[:, None, None]
             self.kv.v_buffer[layer][new] = -(toks * 10 + layer)[:, None, None]
@@ -268,6 +270,63 @@ def scenario_overridden_signatures_match_sglang(c: CacheClient) -> None:
             if [p for p in a.parameters] != [p for p in b.parameters]:
                 bad.append(f"{name}{a} != {b}")
     assert not bad, bad
+
+
+class GlooGroup:
+    """The two calls the backend makes on SGLang's TP group, over torch.distributed (gloo, CPU)."""
+
+    def broadcast_object(self, obj=None, src=0):
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def barrier(self):
+        torch.distributed.barrier()
+
+
+def _tp_rank(rank: int, init: str, prompt: list[int], q) -> None:
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2, init_method=init)
+    g = GlooGroup()
+    a, b = Engine(tp=(2, rank, g)), Engine(tp=(2, rank, g))
+    ra = a.request("tp-a", prompt)
+    a.prefill(ra, len(prompt), finish=True)
+    a.release(ra)
+    rb = b.request("tp-b", prompt + [9])
+    hit, loaded = b.prefill(rb, len(prompt) + 1, finish=True)
+    ka, va = a.kv_of(prompt)
+    kb, vb = b.kv_of(prompt)
+    q.put((rank, hit, loaded, bool(torch.equal(ka, kb) and torch.equal(va, vb))))
+    b.release(rb)
+    g.barrier()
+    a.cache.shutdown()
+    b.cache.shutdown()
+    torch.distributed.destroy_process_group()
+
+
+def scenario_tensor_parallel_ranks_share_their_heads(c: CacheClient) -> None:
+    """Two TP ranks (gloo): rank 0 talks to radixd, each rank stores and loads its own heads."""
+    import multiprocessing as mp
+    import tempfile
+    ctx = mp.get_context("spawn")
+    prompt = [random.randrange(2000, 3000) for _ in range(28)]
+    init = f"file://{tempfile.mkdtemp()}/rendezvous"
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_tp_rank, args=(r, init, prompt, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = sorted(q.get(timeout=300) for _ in procs)
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    assert got == [(0, 0, 28, True), (1, 0, 28, True)], got
+    pools = c.map_pools()  # radixd holds rank 0's head next to rank 1's
+    idx = torch.from_numpy(c.match_prefix(prompt).indices.copy())
+    toks = torch.tensor(prompt, dtype=torch.float32)
+    for layer in range(LAYERS):
+        k = pools.device[0].k_buffer[layer][idx]
+        assert torch.equal(k[:, 0, 0], toks * 10 + layer) and torch.equal(k[:, 1, 0], toks * 10 + layer + 10000)
+    pools.close()
+    settled(c)
 
 
 SCENARIOS = {k[len("scenario_"):]: v for k, v in dict(globals()).items() if k.startswith("scenario_")}

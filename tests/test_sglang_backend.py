@@ -20,7 +20,8 @@ pytestmark = pytest.mark.skipif(SGL_PY is None, reason="no SGLang venv (.ci/run 
                                                        "0.5.23; or set RADIXD_SGLANG_PYTHON)")
 SCENARIOS = ["two_engines_share_pages_byte_for_byte", "pages_on_radixd_host_tier_are_loaded_back",
              "partial_hit_and_namespaces", "abort_and_unused_markers_release_radixd_locks",
-             "same_matches_as_sglang_alone", "overridden_signatures_match_sglang"]
+             "same_matches_as_sglang_alone", "overridden_signatures_match_sglang",
+             "tensor_parallel_ranks_share_their_heads"]
 
 
 @pytest.fixture(scope="module")

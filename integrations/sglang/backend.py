@@ -12,6 +12,9 @@ engine on the node shares (one radixd session per engine: a dead engine loses it
                    and is published once its event completed, the source node locked until then; SGLang has
                    no tick for a backend, so completions are drained in match_prefix, checkpoint and evict;
   on_release / release_aborted_request / reset  release every radixd lock the request (or cache) held.
+Tensor parallelism: radixd's pool holds every rank's KV heads side by side; rank 0 alone talks to radixd and
+broadcasts its decisions (SGLang's ranks call the cache in lockstep), every rank copies its own heads, and
+a barrier orders the copies before rank 0 unlocks or publishes.
 The namespace is SGLang's extra_key plus cache_salt; radixd's page size must equal SGLang's --page-size.
 """
 from __future__ import annotations
@@ -60,15 +63,17 @@ class _Store:
 class RadixdRadixCache(RadixCache):
     """SGLang RadixCache with radixd behind it (see the module docstring)."""
 
-    def __init__(self, params: "CacheInitParams", tp_size: int = 1, target: Optional[str] = None,
-                 token: Optional[str] = None, load_back: bool = True):
+    def __init__(self, params: "CacheInitParams", tp_size: int = 1, tp_rank: int = 0, tp_group: Any = None,
+                 target: Optional[str] = None, token: Optional[str] = None, load_back: bool = True):
         super().__init__(params)
-        if tp_size != 1:
-            raise NotImplementedError(f"radixd backend: tensor parallelism ({tp_size} ranks) is not supported yet")
+        if tp_size > 1 and tp_group is None:
+            raise ValueError("radixd backend: tensor parallelism needs the TP group (broadcast_object, barrier)")
+        self.tp_size, self.tp_rank, self.group = tp_size, tp_rank, tp_group
+        self.lead = tp_rank == 0  # the one rank that talks to radixd; the others follow its decisions
         self.target = target or os.environ.get("RADIXD_TARGET") or "unix://" + DEFAULT_SOCKET[len("unix:"):]
         self.load_back = load_back
         self.client = CacheClient(self.target, token=token or os.environ.get("RADIXD_TOKEN"),
-                                  name=f"sglang-{os.getpid()}")
+                                  name=f"sglang-{os.getpid()}", attach=self.lead)
         info = self.client.info()
         if info["page_size"] != self.page_size:
             raise ValueError(f"radixd backend: radixd's page size {info['page_size']} != SGLang's --page-size "
@@ -78,10 +83,13 @@ class RadixdRadixCache(RadixCache):
         self.pools = self.client.map_pools(self.k[0].device)
         dev = self.pools.device[0]
         d = dev.descriptor
-        want = (len(self.k), tuple(self.k[0].shape[1:]), self.k[0].dtype)
+        heads = self.k[0].shape[1]  # this rank's KV heads; radixd holds all ranks' side by side
+        self.shard = slice(tp_rank * heads, (tp_rank + 1) * heads)
+        want = (len(self.k), (heads * tp_size, self.k[0].shape[2]), self.k[0].dtype)
         have = (d.num_layers, (d.kv_heads, d.head_dim), dev.k_buffer[0].dtype if dev.k_buffer else None)
         if d.mla or want != have:
-            raise ValueError(f"radixd backend: the KV geometry differs (layers, (kv heads, head dim), dtype): SGLang "
+            raise ValueError(f"radixd backend: the KV geometry differs (layers, (kv heads of all TP ranks, head "
+                             f"dim), dtype): SGLang "
                              f"has {want}, radixd has {have}; start radixd with matching --layers/--kv-heads/"
                              "--head-dim/--dtype (or --model-config)")
         self.rk, self.rv = dev.k_buffer, dev.v_buffer
@@ -96,8 +104,18 @@ class RadixdRadixCache(RadixCache):
     def _ns(self, key: RadixKey) -> dict[str, str]:
         return dict(extra_key=key.extra_key or "", cache_salt=getattr(key, "cache_salt", None) or "")
 
+    def _bcast(self, obj: Any) -> Any:
+        """The lead rank's value on every rank (SGLang's TP ranks call the cache in lockstep)."""
+        return obj if self.tp_size == 1 else self.group.broadcast_object(obj, src=0)
+
+    def _barrier(self) -> None:
+        if self.tp_size > 1:
+            if self.cuda:
+                torch.cuda.current_stream().synchronize()
+            self.group.barrier()
+
     def _unlock(self, receipt: int) -> None:
-        if receipt:
+        if receipt and self.lead:
             try:
                 self.client.unlock([receipt])
             except RadixdError as e:
@@ -159,10 +177,23 @@ class RadixdRadixCache(RadixCache):
         self._drop_marker(req.cache_request_handle)  # asked again: the newer answer wins
         if device_len >= len(key) or self.is_eagle:
             return base
+        path, receipt = None, 0
+        if self.lead:
+            path, receipt = self._radixd_match(key, device_len)
+        path = self._bcast(path)
+        if path is None:
+            return base
+        hit = len(path) - device_len
+        snap = RadixKey(list(key.raw_token_ids()), key.extra_key, key.is_bigram, cache_salt=key.cache_salt)
+        self._markers[req.cache_request_handle] = _Marker(receipt, path, snap, device_len)
+        node = base.last_device_node
+        return base._replace(last_host_node=node, best_match_node=node, host_hit_length=hit)
+
+    def _radixd_match(self, key: RadixKey, device_len: int) -> tuple[Optional[np.ndarray], int]:
+        """radixd's locked path for the key when it holds more than SGLang's device prefix (lead rank)."""
         tokens = np.asarray(key.raw_token_ids(), dtype=np.int32)
-        ns = self._ns(key)
         try:
-            m = self.client.match_prefix(tokens, lock=True, **ns)
+            m = self.client.match_prefix(tokens, lock=True, **self._ns(key))
             path, receipt = m.indices, m.receipt_id
             if self.load_back and m.host_hit_len:
                 lb = self.client.load_back(receipt)
@@ -173,15 +204,11 @@ class RadixdRadixCache(RadixCache):
                 path, receipt = lb.indices, lb.receipt_id
         except RadixdError as e:  # radixd down or refusing: SGLang's own answer stands
             log.warning("radixd match failed: %s", e)
-            return base
-        hit = len(path) - device_len
-        if hit <= 0:
+            return None, 0
+        if len(path) <= device_len:
             self._unlock(receipt)
-            return base
-        snap = RadixKey(list(key.raw_token_ids()), key.extra_key, key.is_bigram, cache_salt=key.cache_salt)
-        self._markers[req.cache_request_handle] = _Marker(receipt, path, snap, device_len)
-        node = base.last_device_node
-        return base._replace(last_host_node=node, best_match_node=node, host_hit_length=hit)
+            return None, 0
+        return np.asarray(path, dtype=np.int64), receipt
 
     def init_load_back(self, params: InitLoadBackParams):
         """Copy radixd's pages into fresh SGLang slots and insert them: all `host_hit_length` tokens or none."""
@@ -201,11 +228,13 @@ class RadixdRadixCache(RadixCache):
                 return 0, last
             src = torch.from_numpy(marker.path[marker.device_len:marker.device_len + n].copy()).to(self.k[0].device)
             dst = slots.to(torch.int64)
+            sh = self.shard
             for i in range(len(self.k)):
-                self.k[i][dst] = self.rk[i][src]
-                self.v[i][dst] = self.rv[i][src]
+                self.k[i][dst] = self.rk[i][src][:, sh]
+                self.v[i][dst] = self.rv[i][src][:, sh]
             if self.cuda:
                 torch.cuda.current_stream().synchronize()  # radixd may evict its pages once unlocked
+            self._barrier()  # every rank has its heads before the lead releases radixd's lock
             end = marker.device_len + n
             prefix = self.path_device_indices(last)[:marker.device_len].to(torch.int64)
             r = self.insert(InsertParams(key=marker.key[:end], value=torch.cat([prefix, dst]),
@@ -231,20 +260,25 @@ class RadixdRadixCache(RadixCache):
             return
         tokens = np.asarray(list(req.full_untruncated_fill_ids[:n]), dtype=np.int32)
         ns = dict(extra_key=req.extra_key or "", cache_salt=req.cache_salt or "")
-        try:
-            m = self.client.match_prefix(tokens, lock=True, **ns)
-            have = m.matched_len
-            if have >= n:
-                self._unlock(m.receipt_id)
-                return
-            slots = np.asarray(self.client.alloc(n - have), dtype=np.int64)
-        except RadixdError as e:
-            log.warning("radixd store skipped: %s", e)
-            if "m" in locals():
-                self._unlock(m.receipt_id)
+        plan, item = None, None
+        if self.lead:
+            plan, item = self._plan_store(tokens, n, ns)
+        plan = self._bcast(plan)
+        if plan is None:
             return
+        have, slots = plan
         dst = torch.from_numpy(slots).to(self.k[0].device)
         src = indices[have:n]
+        self.stored_tokens += n - have
+        if self.tp_size > 1:  # every rank writes its heads, then the lead publishes
+            sh = self.shard
+            for i in range(len(self.k)):
+                self.rk[i][dst, sh] = self.k[i][src]
+                self.rv[i][dst, sh] = self.v[i][src]
+            self._barrier()
+            if self.lead:
+                self._publish(item)
+            return
         event = None
         if self.cuda:
             self.stream.wait_stream(torch.cuda.current_stream())
@@ -258,13 +292,29 @@ class RadixdRadixCache(RadixCache):
             for i in range(len(self.k)):
                 self.rk[i][dst] = self.k[i][src]
                 self.rv[i][dst] = self.v[i][src]
-        item = dict(tokens=tokens, indices=np.concatenate([m.indices, slots]), prev_prefix_len=have,
-                    receipt_id=m.receipt_id, **ns)
-        self.stored_tokens += n - have
         self.inc_lock_ref(node)  # SGLang must not reuse the source slots before the copy is over
         self._stores.append(_Store(event, node, item))
         if event is None:
             self._drain()
+
+    def _plan_store(self, tokens: np.ndarray, n: int, ns: dict) -> tuple[Optional[tuple], Optional[dict]]:
+        """Lead rank: lock radixd's prefix and hold slots for the rest; ((have, slots), the publish item)."""
+        m = None
+        try:
+            m = self.client.match_prefix(tokens, lock=True, **ns)
+            have = m.matched_len
+            if have >= n:
+                self._unlock(m.receipt_id)
+                return None, None
+            slots = np.asarray(self.client.alloc(n - have), dtype=np.int64)
+        except RadixdError as e:
+            log.warning("radixd store skipped: %s", e)
+            if m is not None:
+                self._unlock(m.receipt_id)
+            return None, None
+        item = dict(tokens=tokens, indices=np.concatenate([m.indices, slots]), prev_prefix_len=have,
+                    receipt_id=m.receipt_id, **ns)
+        return (have, slots), item
 
     # ------------------------------------------------------ eviction, release
     def evict(self, params: EvictParams) -> EvictResult:
@@ -285,4 +335,4 @@ class RadixdRadixCache(RadixCache):
 
 def factory(ctx) -> RadixdRadixCache:
     """`--radix-cache-backend radixd`: build the cache from SGLang's TreeCacheBuildContext."""
-    return RadixdRadixCache(ctx.params, tp_size=ctx.tp_size)
+    return RadixdRadixCache(ctx.params, tp_size=ctx.tp_size, tp_rank=ctx.tp_rank, tp_group=ctx.tp_group)
