@@ -72,3 +72,12 @@ def test_every_metric_the_dashboard_and_alerts_query_is_exported(tmp_path):
     assert not [m for m in exported if m.endswith("_created")]  # no duplicate _created series
     counters = [line.split()[2] for line in text.splitlines() if line.startswith("# TYPE") and line.endswith("counter")]
     assert counters and all(n.endswith("_total") for n in counters), counters  # counters end in _total
+
+
+def test_the_alert_rules_pass_promtool():
+    promtool = shutil.which("promtool") or str(DEPLOY.parent / ".tools" / "promtool")
+    if not Path(promtool).exists():
+        pytest.skip("promtool is not installed (.ci/run takes it from Debian's prometheus package)")
+    r = subprocess.run([promtool, "check", "rules", str(DEPLOY / "radixd-alerts.yml")], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and "SUCCESS: 6 rules found" in r.stdout, r.stdout + r.stderr
