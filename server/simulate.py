@@ -217,35 +217,38 @@ def write_csv(results: list[Result], path: str) -> None:
             w.writerow(list(asdict(r).values()) + [f"{r.hit_rate:.6f}", f"{r.host_share:.6f}"])
 
 
+def _figure(plt, lines: list[tuple[list, list, str]], xlabel: str, ylabel: str, path: str, logx: bool = False,
+            marker: str = "") -> str:
+    """One line chart written as a PNG."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for xs, ys, label in lines:
+        ax.plot(xs, ys, marker=marker or None, label=label)
+    if logx:
+        ax.set_xscale("log", base=2)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=6)
+    ax.grid(alpha=0.3)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
 def plot(results: list[Result], timelines: dict, out_dir: str) -> list[str]:
     """hit rate vs device capacity (a line per policy, host tier and page) and hit rate over time."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    paths = []
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    keys = sorted({(r.policy, r.host_tokens / r.device_tokens, r.page) for r in results})
-    for pol, hx, page in keys:
-        pts = sorted((r.device_tokens, r.hit_rate) for r in results
-                     if (r.policy, r.host_tokens / r.device_tokens, r.page) == (pol, hx, page))
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{pol} host {hx:g}x page {page}")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("device capacity (tokens)")
-    ax.set_ylabel("token hit rate")
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
-    paths.append(os.path.join(out_dir, "hit_rate_vs_capacity.png"))
-    fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for (cap, hx, pol, page), line in sorted(timelines.items()):
-        if line:
-            ax.plot([p[0] for p in line], [p[1] for p in line], label=f"{cap} {pol} host {hx:g}x p{page}")
-    ax.set_xlabel("requests")
-    ax.set_ylabel("token hit rate (window)")
-    ax.legend(fontsize=6)
-    ax.grid(alpha=0.3)
-    paths.append(os.path.join(out_dir, "hit_rate_over_time.png"))
-    fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return paths
+
+    def cell(r: Result) -> tuple:
+        return r.policy, r.host_tokens / r.device_tokens, r.page
+    by_capacity = []
+    for pol, hx, page in sorted({cell(r) for r in results}):
+        pts = sorted((r.device_tokens, r.hit_rate) for r in results if cell(r) == (pol, hx, page))
+        by_capacity.append(([p[0] for p in pts], [p[1] for p in pts], f"{pol} host {hx:g}x page {page}"))
+    over_time = [([p[0] for p in line], [p[1] for p in line], f"{cap} {pol} host {hx:g}x p{page}")
+                 for (cap, hx, pol, page), line in sorted(timelines.items()) if line]
+    return [_figure(plt, by_capacity, "device capacity (tokens)", "token hit rate",
+                    os.path.join(out_dir, "hit_rate_vs_capacity.png"), logx=True, marker="o"),
+            _figure(plt, over_time, "requests", "token hit rate (window)",
+                    os.path.join(out_dir, "hit_rate_over_time.png"))]
