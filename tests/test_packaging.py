@@ -1,6 +1,7 @@
 """Packaging: generated stubs are current; the wheel installs only radixd.* (no bare server/client)."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import venv
@@ -27,8 +28,11 @@ def test_wheel_installs_into_a_fresh_venv(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w",
                     str(wheels), str(ROOT)], check=True)
     (whl,) = wheels.glob("radixd-*.whl")
-    tops = {n.split("/")[0] for n in zipfile.ZipFile(whl).namelist()}
+    names = zipfile.ZipFile(whl).namelist()
+    tops = {n.split("/")[0] for n in names}
     assert "server" not in tops and "client" not in tops and "radixd" in tops
+    if os.environ.get("RADIXD_REQUIRE_NATIVE"):  # CI installs OpenSSL's headers: the native chain must be in
+        assert any(n.startswith("radixd/server/tree/_chain") and n.endswith(".so") for n in names), names
     env = tmp_path / "venv"
     venv.create(env, system_site_packages=True, with_pip=False)
     py = env / "bin" / "python"
@@ -37,8 +41,9 @@ def test_wheel_installs_into_a_fresh_venv(tmp_path):
     code = ("import sys; sys.path.insert(0, sys.argv[1]); import radixd.server.tree as t, radixd.client, "
             "radixd.proto.cache_pb2; assert sys.argv[1] in t.__file__, t.__file__; "
             "import importlib.util as u; assert u.find_spec('server') is None and u.find_spec('client') is None; "
+            "from radixd.server.tree import hashes; assert hashes.NATIVE or not sys.argv[2]; "
             "print(t.RadixTree().insert([1, 2], [3, 4]).adopted_len)")
-    out = subprocess.run([str(py), "-I", "-c", code, str(tmp_path / "site")], capture_output=True, text=True,
-                         cwd=tmp_path)
+    out = subprocess.run([str(py), "-I", "-c", code, str(tmp_path / "site"), os.environ.get("RADIXD_REQUIRE_NATIVE", "")],
+                         capture_output=True, text=True, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "2"

@@ -19,6 +19,13 @@ from typing import Optional
 
 import numpy as np
 
+try:  # the same chain in C, the GIL released while it hashes (setup.py builds it where OpenSSL's headers are)
+    from ._chain import chain as _native_chain
+except ImportError:  # pragma: no cover - depends on the build machine
+    _native_chain = None
+
+NATIVE = _native_chain is not None
+
 SALT_SEED_PREFIX = b"sglang-cache-salt-v1\x00"
 
 
@@ -44,12 +51,89 @@ def chain(key: bytes, page_nbytes: int, prior: Optional[bytes], bigram: bool = F
     """Digests of every page of `key` (concatenated, 32 bytes each), continuing from `prior`."""
     data = page_bytes(key, bigram)
     step = page_nbytes  # a bigram position is 8 key bytes and 8 hashed bytes alike
+    if _native_chain is not None:
+        return _native_chain(data, step, prior)
+    return py_chain(data, step, prior)
+
+
+def py_chain(data: bytes, step: int, prior: Optional[bytes]) -> bytes:
+    """The chain in pure Python (the reference the native one is tested against)."""
     out = bytearray()
     sha = hashlib.sha256
     for off in range(0, len(data), step):
         prior = sha((prior or b"") + data[off:off + step]).digest()
         out += prior
     return bytes(out)
+
+
+# Lazy digests. A node records its pages' digests without hashing them; they are computed when first read
+# (by the event publisher's thread, usually). Plain lists and tuples, not classes: one is made per inserted
+# node on the request path, and a class instance costs three times as much.
+#   Run  = [value, key, prior, fmt]: value (the digests, None until computed), key (the page bytes, dropped
+#          once hashed), prior (the digest the run continues from: bytes or None, or (Run, page index) while
+#          that run is unresolved), fmt = (page_nbytes, bigram), shared.
+#   Span = (Run, lo, hi): pages [lo, hi) of a run, what a node holds; a split slices it, nothing changes.
+# Any thread may resolve (the values are equal); the value is stored before the inputs are dropped, so a
+# reader that finds the key gone finds the value set.
+Run = list
+Span = tuple
+
+
+def lazy_span(key: bytes, fmt: tuple[int, bool], prior) -> Span:
+    """The digests of `key`'s pages, continuing `prior`, to be computed when first read."""
+    return ([None, key, prior, fmt], 0, len(key) // fmt[0])
+
+
+def known_span(digests: bytes) -> Span:
+    """Digests computed elsewhere (e.g. fetched from storage with their pages)."""
+    return ([digests, None, None, None], 0, len(digests) // 32)
+
+
+def resolve(run: Run) -> bytes:
+    """All digests of a run, hashing it (and any unresolved run it continues) on first call."""
+    v = run[0]
+    if v is not None:
+        return v
+    todo, r = [], run
+    while r[0] is None:
+        todo.append(r)
+        pr = r[2]
+        if type(pr) is not tuple:
+            break
+        r = pr[0]
+    for q in reversed(todo):
+        pr, key, fmt = q[2], q[1], q[3]
+        if key is None:  # resolved by another thread meanwhile
+            continue
+        if type(pr) is tuple:
+            src, i = pr
+            pr = src[0][i * 32:(i + 1) * 32]
+        q[0] = chain(key, fmt[0], pr, fmt[1])
+        q[2] = pr
+        q[1] = None
+    return run[0]
+
+
+def span_digests(span: Span) -> bytes:
+    """A span's digests, 32 bytes each (hashing on first read)."""
+    run, lo, hi = span
+    return resolve(run)[lo * 32:hi * 32]
+
+
+def span_last(span: Span) -> bytes:
+    """The digest of a span's last page: what the next page chains from."""
+    run, _, hi = span
+    return resolve(run)[(hi - 1) * 32:hi * 32]
+
+
+def span_split(span: Span, pages: int) -> tuple[Span, Span]:
+    """The first `pages` pages of a span and the rest."""
+    run, lo, hi = span
+    return (run, lo, lo + pages), (run, lo + pages, hi)
+
+
+def span_pages(span: Span) -> int:
+    return span[2] - span[1]
 
 
 def block_hash(digest: bytes) -> int:
