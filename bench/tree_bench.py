@@ -6,6 +6,7 @@ Workloads: synthetic multi-turn conversations (page 1 and 16) and replays of ../
 
     python bench/tree_bench.py [--sglang-python PY] [--conversations 1000] [--trace-requests 500]
                                [--write-policy write_through|write_through_selective|write_back] [--events]
+    python bench/tree_bench.py --events-cost RUNS    # radixd alone: KV events off vs on (request-path cost)
 
 With --write-policy the host tier is on: every backup the tree asks for is committed and finished inline
 (no data is copied), so the numbers show the tree's own cost of the second tier.
@@ -100,14 +101,55 @@ def workloads(args):
 
 # ------------------------------------------------------------------ adapters
 class RadixdImpl:
-    def __init__(self, page: int, write_policy: str | None = None, events: bool = False):
+    def __init__(self, page: int, write_policy: str | None = None, events: bool = False, inline: bool = False):
         from radixd.server.tree import RadixTree
+        self.inline = inline
         kw = {"write_policy": write_policy} if write_policy else {}
         if events:
             kw["events"] = True
         self.t = RadixTree(page_size=page, **kw)
-        self.drain = self.t.take_events if events else (lambda: None)
+        self.drain = self._take if events else (lambda: None)
         self.host_slot = 0
+        self.published = [0, 0]  # pages, ns: what the publisher thread did, off the request path
+        if events:
+            import queue
+            import threading
+            self._q: "queue.SimpleQueue" = queue.SimpleQueue()
+            if not self.inline:
+                self._pub = threading.Thread(target=self._publisher, daemon=True)
+                self._pub.start()
+
+    def _take(self):
+        raw, _ = self.t.take_raw_events()  # what the server does after every RPC, on the request path
+        if raw.records:
+            self._q.put(raw)
+
+    def after(self):
+        """Untimed, between operations: the server publishes after it answered (inline mode)."""
+        if self.inline and hasattr(self, "_q"):
+            while not self._q.empty():
+                raw = self._q.get()
+                t0 = time.perf_counter_ns()
+                self.published[0] += sum(len(e.block_hashes) for e in raw.materialize() if hasattr(e, "block_hashes"))
+                self.published[1] += time.perf_counter_ns() - t0
+
+    def _publisher(self):
+        """The server's publisher thread: hash the pages and build the events, beside the request path."""
+        while True:
+            raw = self._q.get()
+            if raw is None:
+                return
+            t0 = time.perf_counter_ns()
+            pages = sum(len(e.block_hashes) for e in raw.materialize() if hasattr(e, "block_hashes"))
+            self.published[0] += pages
+            self.published[1] += time.perf_counter_ns() - t0
+
+    def publish_done(self) -> tuple[int, int]:
+        """Wait for the publisher to finish; (pages, ns) it handled."""
+        if hasattr(self, "_pub"):
+            self._q.put(None)
+            self._pub.join()
+        return self.published[0], self.published[1]
 
     def prep(self, toks, start):
         return toks, np.arange(start, start + len(toks), dtype=np.int32)
@@ -173,6 +215,9 @@ class SGLangImpl:
                                              enable_kv_cache_events=events)
         self.drain = self.c.take_events if events else (lambda: None)
 
+    def publish_done(self) -> tuple[int, int]:  # SGLang hashes inside its operations: nothing is left
+        return 0, 0
+
     def prep(self, toks, start):
         return (self.Key(self.array("q", toks.astype(np.int64).tobytes())),
                 self.torch.arange(start, start + len(toks), dtype=self.torch.int64))
@@ -212,7 +257,7 @@ def run_worker(impl_name: str, only: str, args) -> dict:
         if wname != only:
             continue
         ops = make()
-        impl = RadixdImpl(page, args.write_policy, args.events) if impl_name == "radixd" else SGLangImpl(page, args.events)
+        impl = RadixdImpl(page, args.write_policy, args.events, args.publisher == "inline") if impl_name == "radixd" else SGLangImpl(page, args.events)
         times = {"insert": [], "match_cont": [], "match_new": [], "lock_unlock": [], "evict": []}
         nodes = []
         slot = 0
@@ -227,6 +272,8 @@ def run_worker(impl_name: str, only: str, args) -> dict:
                 t0 = pc()
                 impl.insert(k, v)
                 times["insert"].append(pc() - t0)
+                if hasattr(impl, "after"):
+                    impl.after()
             else:
                 k = impl.prep_key(toks)
                 t0 = pc()
@@ -250,7 +297,11 @@ def run_worker(impl_name: str, only: str, args) -> dict:
             if not n:
                 break
             times["evict"].append(pc() - t0)
-        out[wname] = {"times": {k: v for k, v in times.items() if v}, "mem_bytes": mem, "cached": cached}
+            if hasattr(impl, "after"):
+                impl.after()
+        pub_pages, pub_ns = impl.publish_done()
+        out[wname] = {"times": {k: v for k, v in times.items() if v}, "mem_bytes": mem, "cached": cached,
+                      "publish_ns": pub_ns, "publish_pages": pub_pages}
     return out
 
 
@@ -271,6 +322,42 @@ def find_sglang_python(explicit: str | None) -> str | None:
     return None
 
 
+def events_cost(args, base: list[str]) -> None:
+    """What KV events cost the request path: the same radixd run with events off and on, interleaved."""
+    def run(wname: str, events: bool) -> dict:
+        cmd = [sys.executable, *base, "--worker", "radixd", "--workload", wname] + (["--events"] if events else [])
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode:
+            sys.exit(f"worker failed on {wname}:\n{r.stderr[-3000:]}")
+        return json.loads(r.stdout.strip().splitlines()[-1])[wname]
+
+    print(f"{'workload':22} {'op':8} {'off ms':>8} {'on ms':>8} {'on/off':>7}   (medians of {args.events_cost} runs)")
+    worst: dict[str, float] = {}
+    pub = []
+    for wname, _, _ in workloads(args):
+        ratios: dict[str, list] = {"insert": [], "match": [], "evict": []}
+        tot: dict[tuple, list] = {}
+        for _ in range(args.events_cost):
+            for events in (False, True):
+                w = run(wname, events)
+                t = w["times"]
+                sums = {"insert": sum(t["insert"]), "match": sum(t["match_cont"]) + sum(t.get("match_new", [])),
+                        "evict": sum(t["evict"])}
+                for op, v in sums.items():
+                    tot.setdefault((op, events), []).append(v / 1e6)
+                if events and w["publish_pages"]:
+                    pub.append(w["publish_ns"] / w["publish_pages"])
+            for op in ratios:
+                ratios[op].append(tot[(op, True)][-1] / tot[(op, False)][-1])
+        for op, rs in ratios.items():
+            med = float(np.median(rs))
+            worst[op] = max(worst.get(op, 0.0), med)
+            print(f"{wname:22} {op:8} {np.median(tot[(op, False)]):8.1f} {np.median(tot[(op, True)]):8.1f} {med:7.3f}")
+    print(f"publisher (off the request path): {np.median(pub):.0f} ns per page hashed and built into events")
+    print("RESULT " + " ".join(f"events_{op}_x={v:.3f}" for op, v in worst.items()) +
+          f" publish_ns_per_page={np.median(pub):.0f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sglang-python", help="interpreter that can import sglang (default: auto-detect)")
@@ -279,6 +366,11 @@ def main() -> None:
     ap.add_argument("--write-policy", choices=["write_through", "write_through_selective", "write_back"],
                     help="run radixd with the host tier on (backups committed and finished inline, no copies)")
     ap.add_argument("--events", action="store_true", help="KV events on in both caches (drained after each op)")
+    ap.add_argument("--events-cost", type=int, metavar="RUNS",
+                    help="instead: radixd alone, events off vs on, RUNS interleaved runs per workload (medians)")
+    ap.add_argument("--publisher", choices=["thread", "inline"], default="thread",
+                    help="where radixd's events are hashed: a publisher thread beside the operations (the "
+                         "server's way), or between operations, untimed")
     ap.add_argument("--worker", choices=["radixd", "sglang"], help=argparse.SUPPRESS)
     ap.add_argument("--workload", help=argparse.SUPPRESS)
     ap.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
@@ -290,7 +382,10 @@ def main() -> None:
     if args.worker:
         print(json.dumps(run_worker(args.worker, args.workload, args)))
         return
-    base = [__file__, "--conversations", str(args.conversations), "--trace-requests", str(args.trace_requests)]
+    base = [__file__, "--conversations", str(args.conversations), "--trace-requests", str(args.trace_requests),
+            "--publisher", args.publisher]
+    if args.events_cost:
+        return events_cost(args, base)
     if args.write_policy:
         base += ["--write-policy", args.write_policy]
     if args.events:

@@ -11,18 +11,24 @@ ZMQ wire format (what vLLM 0.32 and SGLang 0.5.23 publish, so their routers foll
   batch with seq >= start as [b"", topic, seq, payload], then [b"", b"", -1 (8-byte signed), b""].
 The cache never waits for a consumer: PUB drops for slow subscribers, a slow gRPC watcher is told it lost
 events and its stream ends.
+
+Off the request path: after each RPC the loop only takes the tree's raw records (no hashing) and gives them
+a sequence number; one publisher thread hashes the pages (natively, the GIL released) and encodes the
+batch; the loop then buffers and sends it, in sequence order. A replay first waits for what was taken.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional
 
 from radixd.proto import cache_pb2 as pb
 
-from .tree.events import BlockRemoved, BlockStored, Event
+from .tree.events import BlockRemoved, BlockStored, Event, RawEvents
 
 log = logging.getLogger("radixd.events")
 END_MARKER = (-1).to_bytes(8, "big", signed=True)
@@ -93,18 +99,22 @@ class Watcher:
 class EventHub:
     """Sequences the tree's events into batches and fans them out; `flush()` after every change."""
 
-    def __init__(self, take: Callable[[], tuple[list[Event], int]], buffer: int = 10000, endpoint: str = "",
+    def __init__(self, take: Callable[[], tuple[RawEvents, int]], buffer: int = 10000, endpoint: str = "",
                  replay_endpoint: str = "", topic: str = "", watcher_limit: int = 4096):
         self._take = take
         self.buffer: deque = deque(maxlen=buffer)  # (seq, ts, events, zmq payload or None)
-        self.next_seq = 0
+        self.next_seq = 0  # the next sequence number flush() hands out
+        self.published_seq = 0  # the next one to be published (the publisher thread may be behind)
         self.watchers: set[Watcher] = set()
         self.watcher_limit = watcher_limit
         self.topic = topic.encode()
         self.dropped = 0  # events the tree's bound dropped (never expected; counted for alerts)
+        self.failed = 0  # batches the publisher could not build (a bug: logged, their seq is a gap)
         self._pub = self._router = self._ctx = None
         self._replay_task: Optional[asyncio.Task] = None
         self._encode = None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="radixd-events")
+        self._last: Optional[asyncio.Future] = None
         if endpoint or replay_endpoint:
             import zmq
             enc, self._Stored, self._Removed, self._Cleared, self._Batch = _msgspec_types()
@@ -133,14 +143,30 @@ class EventHub:
         return self._encode(self._Batch(ts, out))
 
     def flush(self) -> None:
-        """Take what the tree recorded since the last flush and publish it as one batch."""
-        events, lost = self._take()
+        """Take what the tree recorded since the last flush (cheap) and have it published as one batch."""
+        raw, lost = self._take()
         self.dropped += lost
-        if not events:
+        if not raw.records:
             return
         seq, ts = self.next_seq, time.time()
         self.next_seq += 1
+        fut = asyncio.get_running_loop().run_in_executor(self._pool, self._build, seq, ts, raw, bool(self.watchers))
+        fut.add_done_callback(functools.partial(self._publish, seq, ts))  # callbacks run in flush order
+        self._last = fut
+
+    def _build(self, seq: int, ts: float, raw: RawEvents, proto: bool):
+        """On the publisher thread: hash, coalesce, encode."""
+        events = raw.materialize()
         payload = self._payload(ts, events) if self._encode else None
+        return events, payload, to_proto(seq, ts, events) if proto else None
+
+    def _publish(self, seq: int, ts: float, fut: asyncio.Future) -> None:
+        self.published_seq = seq + 1
+        if fut.cancelled() or fut.exception() is not None:
+            self.failed += 1
+            log.error("KV event batch %d could not be built: %r", seq, None if fut.cancelled() else fut.exception())
+            return
+        events, payload, batch = fut.result()
         self.buffer.append((seq, ts, events, payload))
         if self._pub is not None:
             import zmq
@@ -149,15 +175,24 @@ class EventHub:
             except zmq.Again:  # pragma: no cover - PUB drops rather than blocks; counted as a gap by SUBs
                 pass
         if self.watchers:
-            batch = to_proto(seq, ts, events)
+            batch = batch or to_proto(seq, ts, events)
             for w in self.watchers:
                 w.offer(batch)
+
+    async def settled(self) -> None:
+        """Wait until every batch flushed so far is published (replays must include them)."""
+        target, fut = self.next_seq, self._last
+        if fut is None:
+            return
+        await asyncio.wait([fut])
+        while self.published_seq < target:  # its publish callback was queued before this task's wake-up
+            await asyncio.sleep(0)
 
     # ------------------------------------------------------------------ replay
     def replay(self, start: int) -> tuple[Optional[int], list]:
         """Buffered batches with seq >= start, and the first seq still held when start is older (a gap)."""
         items = [b for b in self.buffer if b[0] >= start]
-        oldest = self.buffer[0][0] if self.buffer else self.next_seq
+        oldest = self.buffer[0][0] if self.buffer else self.published_seq
         gap = oldest if start < oldest else None
         return gap, items
 
@@ -182,6 +217,7 @@ class EventHub:
                 if len(frames) < 3 or len(frames[-1]) != 8:
                     continue
                 ident, start = frames[0], int.from_bytes(frames[-1], "big")
+                await self.settled()
                 _, items = self.replay(start)
                 for seq, ts, events, payload in items:
                     await self._router.send_multipart([ident, b"", self.topic, seq.to_bytes(8, "big"), payload])
@@ -192,6 +228,8 @@ class EventHub:
             self._router.close(linger=0)
 
     async def close(self) -> None:
+        await self.settled()
+        self._pool.shutdown(wait=True)
         if self._replay_task is not None:
             self._replay_task.cancel()
             await asyncio.gather(self._replay_task, return_exceptions=True)

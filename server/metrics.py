@@ -87,6 +87,17 @@ class CacheCollector:
                 out.add_metric([o], st.outcomes.get(o, 0))
             yield out
             yield GaugeMetricFamily("radixd_prefetches_in_flight", "L3 prefetches running", value=len(st.prefetches))
+        hub = core.events
+        if hub is not None:
+            yield CounterMetricFamily("radixd_kv_event_batches", "KV event batches published",
+                                      value=hub.published_seq - hub.failed)
+            yield GaugeMetricFamily("radixd_kv_event_backlog_batches", "KV event batches taken from the tree and "
+                                    "not yet published (the publisher thread is behind)",
+                                    value=hub.next_seq - hub.published_seq)
+            lost = CounterMetricFamily("radixd_kv_events_lost", "KV events never published", labels=["reason"])
+            lost.add_metric(["queue_bound"], hub.dropped)
+            lost.add_metric(["build_failed"], hub.failed)
+            yield lost
 
 
 class Metrics:

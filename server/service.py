@@ -256,6 +256,7 @@ class RadixCacheService(pb_grpc.RadixCacheServicer):
             hub.watchers.add(watcher)  # registered before the replay is read: no batch falls between
         try:
             if request.HasField("from_seq"):
+                await hub.settled()
                 gap, items = hub.replay(request.from_seq)
                 if gap is not None and request.from_seq < hub.next_seq:
                     yield pb.EventBatch(gap=True, first_seq=gap, message=f"batches {request.from_seq}..{gap - 1} "

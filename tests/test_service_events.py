@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import urllib.request
 from typing import Optional
 
 import msgspec
@@ -166,6 +167,13 @@ def test_events_over_grpc_and_zmq_rebuild_the_cache(events_server):
                               "--from", "0"], capture_output=True, text=True, timeout=60)
         lines = [json.loads(x) for x in out.stdout.splitlines()]
         assert len(lines) == sum(len(b.events) for b in grpc_batches) and lines[0]["seq"] == 0
+        with urllib.request.urlopen(f"http://{srv.metrics_url.split('//')[1]}", timeout=10) as r:
+            metrics = {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in r.read().decode().splitlines()
+                       if ln.startswith("radixd_kv_event")}
+        assert metrics["radixd_kv_event_batches_total"] == len(grpc_batches)  # nothing changed since the replay
+        assert metrics["radixd_kv_event_backlog_batches"] == 0
+        assert metrics['radixd_kv_events_lost_total{reason="queue_bound"}'] == 0
+        assert metrics['radixd_kv_events_lost_total{reason="build_failed"}'] == 0
     sub.close(linger=0)
 
 

@@ -1,11 +1,13 @@
 """KV events of the tree: the frozen page-hash chain (known answers), emission points, coalescing."""
 import hashlib
+import os
 import struct
 
 import numpy as np
+import pytest
 
 from radixd.server.tree import RadixTree
-from radixd.server.tree.events import AllBlocksCleared, BlockRemoved, BlockStored, EventQueue
+from radixd.server.tree.events import AllBlocksCleared, BlockRemoved, BlockStored, Coalescer
 from radixd.server.tree.hashes import token_block_hashes
 
 
@@ -87,14 +89,25 @@ def test_child_events_chain_to_the_parent_block():
     assert both.block_hashes == token_block_hashes([1, 2, 4, 5], 1)[2:]
 
 
-def test_queue_merges_only_compatible_neighbours_and_is_bounded():
-    q = EventQueue(limit=2)
-    q.push(BlockStored([1], None, [0], 1, "GPU"))
-    q.push(BlockStored([2], 1, [0], 1, "GPU"))  # continues the chain: merged
-    q.push(BlockStored([9], 5, [0], 1, "GPU"))  # does not: new event
-    q.push(BlockRemoved([3], "GPU"))  # over the bound: dropped and counted
-    evs, lost = q.take()
-    assert [e.block_hashes for e in evs] == [[1, 2], [9]] and lost == 1
+def test_coalescing_merges_only_compatible_neighbours():
+    c = Coalescer()
+    c.push(BlockStored([1], None, [0], 1, "GPU"))
+    c.push(BlockStored([2], 1, [0], 1, "GPU"))  # continues the chain: merged
+    c.push(BlockStored([9], 5, [0], 1, "GPU"))  # does not: new event
+    c.push(BlockStored([10], 9, [0], 1, "CPU_PINNED"))  # continues, but another medium: new event
+    c.push(BlockRemoved([3], "GPU"))
+    c.push(BlockRemoved([4], "GPU"))  # same medium: merged
+    assert [e.block_hashes for e in c.events] == [[1, 2], [9], [10], [3, 4]]
+
+
+def test_raw_queue_is_bounded_and_counts_what_it_dropped():
+    t = RadixTree(page_size=1, events=True, events_limit=2)
+    for i in range(4):
+        t.insert([100 + i], [i])
+    raw, lost = t.take_raw_events()
+    assert len(raw) == 2 and lost == 2
+    assert [e.token_ids for e in raw.materialize()] == [[100], [101]]
+    assert t.take_raw_events()[1] == 0
 
 
 def test_events_off_computes_nothing():
@@ -102,3 +115,74 @@ def test_events_off_computes_nothing():
     t.insert([1, 2, 3], [1, 2, 3])
     assert t.take_events() == ([], 0)
     assert all(n.hashes is None for n in t.iter_nodes())
+
+
+def test_native_chain_equals_the_python_reference():
+    from radixd.server.tree import hashes
+    if not hashes.NATIVE:
+        assert not os.environ.get("RADIXD_REQUIRE_NATIVE"), "the native chain was not built (OpenSSL headers?)"
+        pytest.skip("the native chain was not built (no OpenSSL headers at install): Python hashes alone")
+    rng = np.random.default_rng(3)
+    for step in (4, 8, 64, 256):
+        data = rng.bytes(step * 37)
+        for prior in (None, b"", rng.bytes(32)):
+            assert hashes.chain(data, step, prior) == hashes.py_chain(data, step, prior)
+    with pytest.raises(ValueError):
+        hashes.chain(b"x" * 10, 4, None)  # not whole pages
+    with pytest.raises(ValueError):
+        hashes.chain(b"x" * 8, 4, b"short")
+
+
+def test_lazy_digests_resolve_on_another_thread_while_the_tree_changes():
+    """The server's split: the request path records, a publisher thread hashes; the result is exact."""
+    import queue
+    import threading
+
+    from .tier_model import EventFollower
+    t = RadixTree(page_size=2, write_policy="write_through", events=True)
+    q: queue.SimpleQueue = queue.SimpleQueue()
+    follower = EventFollower()
+
+    def publisher():
+        while (raw := q.get()) is not None:
+            follower.apply(raw.materialize())
+
+    th = threading.Thread(target=publisher)
+    th.start()
+    rng = np.random.default_rng(11)
+    slot = 0
+    for _ in range(3000):
+        toks = rng.integers(0, 6, int(rng.integers(1, 12)) * 2)
+        op = rng.integers(4)
+        if op == 0:
+            r = t.insert(toks, np.arange(slot, slot + toks.size))
+            slot += toks.size
+            for a in r.backups:
+                t.commit_backup(a.ack, np.arange(slot, slot + a.tokens))
+                slot += a.tokens
+                t.finish_backup(a.ack)
+        elif op == 1:
+            t.match_prefix(toks)  # splits nodes whose digests may still be unhashed
+        elif op == 2:
+            t.evict(int(rng.integers(1, 30)))
+        else:
+            t.evict_host(int(rng.integers(1, 30)))
+        raw, lost = t.take_raw_events()
+        assert lost == 0
+        if raw.records:
+            q.put(raw)
+    q.put(None)
+    th.join()
+    from collections import Counter
+
+    from radixd.server.tree.hashes import block_hashes
+    want = {"GPU": Counter(), "CPU_PINNED": Counter()}
+    for nd in t.iter_nodes():
+        if nd.parent is not None:
+            hs = block_hashes(t._digests(nd))
+            if nd.value is not None:
+                want["GPU"].update(hs)
+            if nd.host_value is not None and not nd.pending:
+                want["CPU_PINNED"].update(hs)
+    assert {m: +c for m, c in follower.media.items()} == want and sum(want["GPU"].values()) > 0
+    assert t.check() == []

@@ -202,14 +202,12 @@ def _check_node(tree: "RadixTree", node: "Node", ref: int, through: bool, bad: l
         bad.append(f"node {node.id:#x} has a negative lock count")
     if ref and node.value is None:
         bad.append(f"node {node.id:#x} is device-locked without a device value")
-    if node.hashes is not None:  # I5: one digest per page, continuing the parent's chain
-        from .hashes import chain, salt_seed
-        if parent.parent is None:
-            prior = salt_seed(parent.ns[1])
-        else:
-            prior = parent.hashes[-32:] if parent.hashes else None
-        if parent.parent is None or parent.hashes:
-            if node.hashes != chain(node.key, tree._page_b, prior, tree.bigram):
+    span = node.hashes
+    if span is not None:  # I5: one digest per page, continuing the parent's chain (lazy spans resolved here)
+        from .hashes import chain, salt_seed, span_digests, span_last, span_pages
+        if span_pages(span) != npos // page:
+            bad.append(f"node {node.id:#x} has {span_pages(span)} page hashes for {npos // page} pages")
+        elif parent.parent is None or parent.hashes is not None:
+            prior = salt_seed(parent.ns[1]) if parent.parent is None else span_last(parent.hashes)
+            if span_digests(span) != chain(node.key, tree._page_b, prior, tree.bigram):
                 bad.append(f"node {node.id:#x} page hashes do not continue its parent's chain")
-        elif len(node.hashes) != npos // page * 32:
-            bad.append(f"node {node.id:#x} has {len(node.hashes) // 32} page hashes for {npos // page} pages")

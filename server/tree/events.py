@@ -1,12 +1,17 @@
-"""KV events as the tree records them (SPEC-tiers section 6): per medium, coalesced, in a bounded queue.
+"""KV events as the tree records them (SPEC-tiers section 6): per medium, coalesced, from a bounded queue.
 
-The tree appends; the engine drains with `take_events()` and publishes. Medium names follow SGLang:
+The tree appends raw records (lazy page spans, no hashing) on the request path; the engine takes them with
+`take_raw_events()` and materializes them (hashes, coalesces) off it, then publishes. Medium names follow SGLang:
 "GPU" for the device tier, "CPU_PINNED" for the host tier.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Optional, Union
+
+import numpy as np
+
+from .hashes import block_hash, block_hashes, span_digests, span_last
 
 GPU, CPU = "GPU", "CPU_PINNED"
 
@@ -39,13 +44,15 @@ class AllBlocksCleared:
 Event = Union[BlockStored, BlockRemoved, AllBlocksCleared]
 
 
-@dataclass
-class EventQueue:
-    """Coalescing queue (R6.4): a store continuing the tail's chain, or a remove of the tail's medium, merges."""
+STORED, REMOVED, CLEARED = 0, 1, 2  # raw record kinds: (STORED, span, parent span, key, medium, salt),
+# (REMOVED, [span, ...], medium), (CLEARED,)
 
-    limit: int = 1 << 20
-    events: list = field(default_factory=list)
-    dropped: int = 0  # events lost to the bound since the last take (consumers must resynchronise)
+
+class Coalescer:
+    """Merges neighbours (R6.4): a store continuing the tail's chain, or a remove of the tail's medium."""
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
 
     def push(self, ev: Event) -> None:
         tail = self.events[-1] if self.events else None
@@ -58,13 +65,59 @@ class EventQueue:
         if isinstance(ev, BlockRemoved) and isinstance(tail, BlockRemoved) and tail.medium == ev.medium:
             tail.block_hashes.extend(ev.block_hashes)
             return
-        if len(self.events) >= self.limit:
-            self.dropped += 1
-            return
         self.events.append(ev)
 
-    def take(self) -> tuple[list[Event], int]:
-        """The queued events in order, and how many were dropped; leaves the queue empty."""
-        out, lost = self.events, self.dropped
-        self.events, self.dropped = [], 0
+
+@dataclass
+class EventQueue:
+    """The tree's bounded queue of raw records: appending one costs no hashing and no list building."""
+
+    limit: int = 1 << 20
+    records: list = field(default_factory=list)
+    dropped: int = 0  # records lost to the bound since the last take (consumers must resynchronise)
+
+    def push_raw(self, rec: tuple) -> None:
+        if len(self.records) < self.limit:
+            self.records.append(rec)
+        else:
+            self.dropped += 1
+
+    def take(self) -> tuple[list, int]:
+        """The queued records in order, and how many were dropped; leaves the queue empty."""
+        out, lost = self.records, self.dropped
+        self.records, self.dropped = [], 0
         return out, lost
+
+
+class RawEvents:
+    """Records taken from the tree, turned into events (hashing the pages) by `materialize()`, anywhere.
+
+    Safe on another thread while the tree goes on: records hold immutable keys and spans only.
+    """
+
+    __slots__ = ("records", "page_size", "key_dtype", "bigram")
+
+    def __init__(self, records: list, page_size: int, key_dtype: str, bigram: bool):
+        self.records, self.page_size, self.key_dtype, self.bigram = records, page_size, key_dtype, bigram
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def materialize(self) -> list[Event]:
+        """The coalesced events, with block hashes (native hashing releases the GIL)."""
+        out = Coalescer()
+        for rec in self.records:
+            kind = rec[0]
+            if kind == STORED:
+                _, span, parent, key, medium, salt = rec
+                hashes = block_hashes(span_digests(span))
+                prev = block_hash(span_last(parent)) if parent is not None else None
+                toks = np.frombuffer(key, self.key_dtype)
+                if self.bigram:
+                    toks = toks >> 32
+                out.push(BlockStored(hashes, prev, toks.tolist(), self.page_size, medium, salt))
+            elif kind == REMOVED:
+                out.push(BlockRemoved(block_hashes(b"".join([span_digests(sp) for sp in rec[1]])), rec[2]))
+            else:
+                out.push(AllBlocksCleared())
+        return out.events

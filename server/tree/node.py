@@ -35,7 +35,7 @@ class Node:
         self.ns = ns
         self.pending = 0  # ack id of the device->host backup covering this node (0: none)
         self.loading = 0  # id of the load-back that will make this node device-resident (0: none)
-        self.hashes: Optional[bytes] = None  # page digests (32 bytes each), computed when events need them
+        self.hashes: Optional[tuple] = None  # lazy page digests (a hashes.Span), made when events or L3 need them
 
     @property
     def num_tokens(self) -> int:

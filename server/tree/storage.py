@@ -85,7 +85,8 @@ class StorageMixin:
         leaf = Node(self._mint(), node, kb[off:], None, self._next_tick(), node.priority, node.ns)
         node.children[leaf.key[:pb]] = leaf
         self._nodes[leaf.id] = leaf
-        leaf.hashes = bytes(digests[(pos // self.page_size) * 32:])
+        first = pos // self.page_size
+        leaf.hashes = _hashes.known_span(bytes(digests[first * 32:]))
         self._set_host(leaf, vb[pos * 4:])
         self._add_hleaf(leaf)
         self._sync(node)

@@ -37,7 +37,7 @@ import numpy as np
 from .errors import ForeignHandle, InFlight, InvalidInput, LocksHeld, StaleHandle, UnknownReceipt
 from .node import Node
 from . import hashes as _hashes
-from .events import CPU, GPU, AllBlocksCleared, BlockRemoved, BlockStored, Event, EventQueue
+from .events import CPU, GPU, REMOVED, STORED, CLEARED, Event, EventQueue, RawEvents
 from .policies import DEFAULT_SLRU_THRESHOLD, policy_key
 from .results import _EMPTY, BackupAction, EvictResult, FreedSlots, InsertResult, MatchResult, TreeCounters, _slots
 from .storage import StorageMixin
@@ -71,6 +71,9 @@ def bigram_keys(tokens: np.ndarray) -> np.ndarray:
         return np.zeros(0, dtype="<i8")
     hi = tokens[:-1].astype(np.int64) << 32
     return (hi | (tokens[1:].astype(np.int64) & 0xFFFFFFFF)).astype("<i8", copy=False)
+
+
+_NO_EVENTS = RawEvents([], 1, "<i4", False)  # what an empty take returns (never mutated)
 
 
 class RadixTree(TransferMixin, StorageMixin):
@@ -126,39 +129,64 @@ class RadixTree(TransferMixin, StorageMixin):
         self.counters = TreeCounters()
         self._ev: Optional[EventQueue] = EventQueue(events_limit) if events else None
         self._seeds: dict[Namespace, Optional[bytes]] = {}
+        self._hfmt = (self._page_b, self.bigram)  # shared by every lazy digest run (hashes.py)
         self._root(DEFAULT_NS)
 
     # ---------------------------------------------------------------- events
-    def _digests(self, node: Node) -> bytes:
-        """Page digests of a node, computing any missing ones along its path (hashes.py, frozen)."""
-        if node.hashes is not None:
-            return node.hashes
-        missing = []
-        w = node
-        while w.parent is not None and w.hashes is None:
-            missing.append(w)
-            w = w.parent
-        if w.parent is None:
-            prior = self._seed(w.ns)
+    def _span(self, node: Node) -> _hashes.Span:
+        """A node's page digests as a lazy span, created along its path where missing (nothing is hashed)."""
+        span = node.hashes
+        if span is not None:
+            return span
+        parent = node.parent
+        if parent.parent is None:
+            prior = self._seeds.get(node.ns, b"")
+            if prior == b"":
+                prior = self._seed(node.ns)
         else:
-            prior = w.hashes[-32:]
-        for nd in reversed(missing):
-            nd.hashes = _hashes.chain(nd.key, self._page_b, prior, self.bigram)
-            prior = nd.hashes[-32:]
-        return node.hashes
+            ps = parent.hashes
+            if ps is None:  # ancestors without spans too (events were off until storage asked): fill top-down
+                path = []
+                while parent.parent is not None and parent.hashes is None:
+                    path.append(parent)
+                    parent = parent.parent
+                for nd in reversed(path):
+                    self._span(nd)
+                ps = node.parent.hashes
+            prior = (ps[0], ps[2] - 1)
+        node.hashes = span = ([None, node.key, prior, self._hfmt], 0, len(node.key) // self._page_b)  # lazy_span, inlined
+        return span
+
+    def _digests(self, node: Node) -> bytes:
+        """Page digests of a node, 32 bytes each (hashes.py, frozen), hashed now if not yet."""
+        return _hashes.span_digests(self._span(node))
 
     def _stored(self, node: Node, medium: str) -> None:
-        d = self._digests(node)
         parent = node.parent
-        prev = _hashes.block_hash(self._digests(parent)[-32:]) if parent.parent is not None else None
-        toks = np.frombuffer(node.key, self._kdt)
-        if self.bigram:
-            toks = toks >> 32
-        self._ev.push(BlockStored(_hashes.block_hashes(d), prev, toks.tolist(), self.page_size, medium,
-                                  node.ns[1] or None))
+        q = self._ev
+        if len(q.records) >= q.limit:
+            q.dropped += 1
+            return
+        ps = parent.hashes if parent.parent is not None else None
+        span = node.hashes
+        if span is None:
+            if ps is not None:  # the common case, a new leaf below a hashed node: _span inlined
+                node.hashes = span = ([None, node.key, (ps[0], ps[2] - 1), self._hfmt], 0,
+                                      len(node.key) // self._page_b)
+            else:
+                span = self._span(node)
+                ps = parent.hashes if parent.parent is not None else None
+        elif ps is None and parent.parent is not None:
+            ps = self._span(parent)
+        q.records.append((STORED, span, ps, node.key, medium, node.ns[1] or None))
 
     def _removed(self, node: Node, medium: str) -> None:
-        self._ev.push(BlockRemoved(_hashes.block_hashes(self._digests(node)), medium))
+        recs = self._ev.records
+        span = node.hashes or self._span(node)
+        if recs and recs[-1][0] == REMOVED and recs[-1][2] == medium:
+            recs[-1][1].append(span)  # removes of one medium merge anyway (R6.4): one record
+        else:
+            self._ev.push_raw((REMOVED, [span], medium))
 
     @property
     def events_enabled(self) -> bool:
@@ -166,8 +194,21 @@ class RadixTree(TransferMixin, StorageMixin):
         return self._ev is not None
 
     def take_events(self) -> tuple[list[Event], int]:
-        """Events since the last call, in order, and how many the bound dropped (0 normally)."""
-        return self._ev.take() if self._ev is not None else ([], 0)
+        """Events since the last call, in order and coalesced, and how many the bound dropped (0 normally)."""
+        if self._ev is None:
+            return [], 0
+        raw, lost = self.take_raw_events()
+        return (raw.materialize() if raw.records else []), lost
+
+    def take_raw_events(self) -> tuple[RawEvents, int]:
+        """The same, still unhashed: cheap to take on the request path, `materialize()` it elsewhere."""
+        if self._ev is None:
+            return _NO_EVENTS, 0
+        q = self._ev
+        if not q.records and not q.dropped:
+            return _NO_EVENTS, 0
+        records, lost = q.take()
+        return RawEvents(records, self.page_size, self._kdt, self.bigram), lost
 
     # ---------------------------------------------------------------- helpers
     _as_int32 = staticmethod(as_int32)
@@ -382,8 +423,7 @@ class RadixTree(TransferMixin, StorageMixin):
             nodes.insert(nodes.index(child), upper)
         upper.loading = child.loading
         if child.hashes is not None:
-            cut = (m // self._page_b) * 32
-            upper.hashes, child.hashes = child.hashes[:cut], child.hashes[cut:]
+            upper.hashes, child.hashes = _hashes.span_split(child.hashes, m // self._page_b)
         if child in self._coexist:
             self._coexist.add(upper)
         parent.children[child.key[:self._page_b]] = upper
@@ -663,14 +703,15 @@ class RadixTree(TransferMixin, StorageMixin):
         """The host tier is off: delete leaves, nothing else to decide (the hot loop kept minimal)."""
         freed: list[bytes] = []
         count = 0
-        heap, leaves, nodes, pb, ev = self._heap, self._leaves, self._nodes, self._page_b, self._ev
+        heap, leaves, nodes, pb = self._heap, self._leaves, self._nodes, self._page_b
+        gone: Optional[list] = [] if self._ev is not None else None
         pop = heapq.heappop
         while count < num_tokens and heap:
             _, _, ver, node = pop(heap)
             if ver != node.dver or node not in leaves:
                 continue
-            if ev is not None:
-                self._removed(node, GPU)
+            if gone is not None:
+                gone.append(node.hashes or self._span(node))
             leaves.discard(node)
             parent = node.parent
             del parent.children[node.key[:pb]]
@@ -685,6 +726,8 @@ class RadixTree(TransferMixin, StorageMixin):
                 elif parent.ns != DEFAULT_NS:
                     del self._roots[parent.ns]
                     del nodes[parent.id]
+        if gone:
+            self._ev.push_raw((REMOVED, gone, GPU))
         self.evictable_size -= count
         self.counters.evicted_tokens_device += count
         if len(heap) > 2 * len(leaves) + 1024:
@@ -772,7 +815,7 @@ class RadixTree(TransferMixin, StorageMixin):
         self.host_evictable_size = self.host_protected_size = 0
         self._root(DEFAULT_NS)
         if self._ev is not None:
-            self._ev.push(AllBlocksCleared())
+            self._ev.push_raw((CLEARED,))
         return freed
 
     # --------------------------------------------------------------- queries
