@@ -26,10 +26,18 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional
 
+import numpy as np
+
 from radixd.proto import cache_pb2 as pb
 
 from .tree.events import BlockRemoved, BlockStored, Event, RawEvents
 
+try:  # resolve digests and encode the msgpack batch in C, the GIL released (setup.py builds it with OpenSSL)
+    from ._kvevents import encode_batch as _native_encode
+except ImportError:  # pragma: no cover - depends on the build machine
+    _native_encode = None
+
+NATIVE = _native_encode is not None
 log = logging.getLogger("radixd.events")
 END_MARKER = (-1).to_bytes(8, "big", signed=True)
 
@@ -78,6 +86,29 @@ def to_proto(seq: int, ts: float, events: list[Event]) -> pb.EventBatch:
     return pb.EventBatch(seq=seq, ts=ts, events=out)
 
 
+def native_payload(raw: RawEvents, ts: float) -> Optional[bytes]:
+    """The batch's msgpack bytes, hashing what the records left unhashed (natively; None without it)."""
+    if _native_encode is None:
+        return None
+    return _native_encode(raw.records, ts, raw.page_size, np.dtype(raw.key_dtype).itemsize, raw.bigram)
+
+
+class Batch:
+    """One published batch: its payload, and its events built from the records only when asked (gRPC)."""
+
+    __slots__ = ("seq", "ts", "raw", "_events", "payload")
+
+    def __init__(self, seq: int, ts: float, raw: Optional[RawEvents], events: Optional[list[Event]],
+                 payload: Optional[bytes]):
+        self.seq, self.ts, self.raw, self._events, self.payload = seq, ts, raw, events, payload
+
+    @property
+    def events(self) -> list[Event]:
+        if self._events is None:
+            self._events, self.raw = self.raw.materialize(), None  # digests are hashed already: cheap
+        return self._events
+
+
 class Watcher:
     """One gRPC consumer: a bounded queue; when it overflows the consumer is cut off, never waited for."""
 
@@ -102,7 +133,7 @@ class EventHub:
     def __init__(self, take: Callable[[], tuple[RawEvents, int]], buffer: int = 10000, endpoint: str = "",
                  replay_endpoint: str = "", topic: str = "", watcher_limit: int = 4096):
         self._take = take
-        self.buffer: deque = deque(maxlen=buffer)  # (seq, ts, events, zmq payload or None)
+        self.buffer: deque[Batch] = deque(maxlen=buffer)
         self.next_seq = 0  # the next sequence number flush() hands out
         self.published_seq = 0  # the next one to be published (the publisher thread may be behind)
         self.watchers: set[Watcher] = set()
@@ -154,11 +185,15 @@ class EventHub:
         fut.add_done_callback(functools.partial(self._publish, seq, ts))  # callbacks run in flush order
         self._last = fut
 
-    def _build(self, seq: int, ts: float, raw: RawEvents, proto: bool):
-        """On the publisher thread: hash, coalesce, encode."""
-        events = raw.materialize()
-        payload = self._payload(ts, events) if self._encode else None
-        return events, payload, to_proto(seq, ts, events) if proto else None
+    def _build(self, seq: int, ts: float, raw: RawEvents, proto: bool) -> tuple[Batch, Optional[pb.EventBatch]]:
+        """On the publisher thread: hash, coalesce, encode (natively when built, with the GIL released)."""
+        payload = native_payload(raw, ts)
+        if payload is not None:
+            batch = Batch(seq, ts, raw, None, payload if self._encode else None)
+        else:
+            events = raw.materialize()
+            batch = Batch(seq, ts, None, events, self._payload(ts, events) if self._encode else None)
+        return batch, to_proto(seq, ts, batch.events) if proto else None
 
     def _publish(self, seq: int, ts: float, fut: asyncio.Future) -> None:
         self.published_seq = seq + 1
@@ -166,18 +201,18 @@ class EventHub:
             self.failed += 1
             log.error("KV event batch %d could not be built: %r", seq, None if fut.cancelled() else fut.exception())
             return
-        events, payload, batch = fut.result()
-        self.buffer.append((seq, ts, events, payload))
+        batch, proto = fut.result()
+        self.buffer.append(batch)
         if self._pub is not None:
             import zmq
             try:
-                self._pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload], flags=zmq.NOBLOCK)
+                self._pub.send_multipart([self.topic, seq.to_bytes(8, "big"), batch.payload], flags=zmq.NOBLOCK)
             except zmq.Again:  # pragma: no cover - PUB drops rather than blocks; counted as a gap by SUBs
                 pass
         if self.watchers:
-            batch = batch or to_proto(seq, ts, events)
+            proto = proto or to_proto(seq, ts, batch.events)
             for w in self.watchers:
-                w.offer(batch)
+                w.offer(proto)
 
     async def settled(self) -> None:
         """Wait until every batch flushed so far is published (replays must include them)."""
@@ -191,8 +226,8 @@ class EventHub:
     # ------------------------------------------------------------------ replay
     def replay(self, start: int) -> tuple[Optional[int], list]:
         """Buffered batches with seq >= start, and the first seq still held when start is older (a gap)."""
-        items = [b for b in self.buffer if b[0] >= start]
-        oldest = self.buffer[0][0] if self.buffer else self.published_seq
+        items = [b for b in self.buffer if b.seq >= start]
+        oldest = self.buffer[0].seq if self.buffer else self.published_seq
         gap = oldest if start < oldest else None
         return gap, items
 
@@ -219,8 +254,8 @@ class EventHub:
                 ident, start = frames[0], int.from_bytes(frames[-1], "big")
                 await self.settled()
                 _, items = self.replay(start)
-                for seq, ts, events, payload in items:
-                    await self._router.send_multipart([ident, b"", self.topic, seq.to_bytes(8, "big"), payload])
+                for b in items:
+                    await self._router.send_multipart([ident, b"", self.topic, b.seq.to_bytes(8, "big"), b.payload])
                 await self._router.send_multipart([ident, b"", b"", END_MARKER, b""])
         except asyncio.CancelledError:
             pass

@@ -32,7 +32,8 @@ def test_wheel_installs_into_a_fresh_venv(tmp_path):
     tops = {n.split("/")[0] for n in names}
     assert "server" not in tops and "client" not in tops and "radixd" in tops
     if os.environ.get("RADIXD_REQUIRE_NATIVE"):  # CI installs OpenSSL's headers: the native chain must be in
-        assert any(n.startswith("radixd/server/tree/_chain") and n.endswith(".so") for n in names), names
+        for ext in ("radixd/server/tree/_chain", "radixd/server/_kvevents"):
+            assert any(n.startswith(ext) and n.endswith(".so") for n in names), (ext, names)
     env = tmp_path / "venv"
     venv.create(env, system_site_packages=True, with_pip=False)
     py = env / "bin" / "python"
@@ -41,7 +42,8 @@ def test_wheel_installs_into_a_fresh_venv(tmp_path):
     code = ("import sys; sys.path.insert(0, sys.argv[1]); import radixd.server.tree as t, radixd.client, "
             "radixd.proto.cache_pb2; assert sys.argv[1] in t.__file__, t.__file__; "
             "import importlib.util as u; assert u.find_spec('server') is None and u.find_spec('client') is None; "
-            "from radixd.server.tree import hashes; assert hashes.NATIVE or not sys.argv[2]; "
+            "from radixd.server.tree import hashes; from radixd.server import events; "
+            "assert (hashes.NATIVE and events.NATIVE) or not sys.argv[2]; "
             "print(t.RadixTree().insert([1, 2], [3, 4]).adopted_len)")
     out = subprocess.run([str(py), "-I", "-c", code, str(tmp_path / "site"), os.environ.get("RADIXD_REQUIRE_NATIVE", "")],
                          capture_output=True, text=True, cwd=tmp_path)
