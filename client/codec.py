@@ -71,11 +71,12 @@ class Loaded:
     receipt_id: int
     transfer_id: int
     reason: str
+    ipc_event_handle: bytes = b""  # GPU: wait on it with radixd.client.pools.wait_ipc_event
 
 
 def loaded(resp) -> list[Loaded]:
-    return [Loaded(slots_array(r.device_indices), r.loaded_len, r.receipt_id, r.transfer_id, r.reason)
-            for r in resp.results]
+    return [Loaded(slots_array(r.device_indices), r.loaded_len, r.receipt_id, r.transfer_id, r.reason,
+                   r.ipc_event_handle) for r in resp.results]
 
 
 @dataclass(frozen=True)

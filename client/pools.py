@@ -83,3 +83,14 @@ class MappedPool:
 def map_pool(desc: PoolDescriptor, expected_instance: Optional[str] = None) -> MappedPool:
     """Map one pool described by the server."""
     return MappedPool(desc, expected_instance)
+
+
+def wait_ipc_event(handle: bytes, device: Any, stream: Any = None) -> Any:
+    """Make `stream` (default: the current one) wait for a load-back's copy without a CPU round trip.
+
+    `handle` is `Loaded.ipc_event_handle`; work queued on the stream afterwards sees the loaded KV. Returns
+    the opened event (keep it until the stream passed it)."""
+    import torch
+    event = torch.cuda.Event.from_ipc_handle(device, handle)
+    (stream or torch.cuda.current_stream(device)).wait_event(event)
+    return event

@@ -211,9 +211,13 @@ class RadixCacheService(pb_grpc.RadixCacheServicer):
         items = [Item(np.zeros(0, np.int32), np.zeros(0, np.int64), ("", ""), receipt=it.receipt_id,
                       mem_quota=it.mem_quota if it.HasField("mem_quota") else None) for it in request.items]
         out = await self.core.load_back(s, items)
+        for r in out:  # GPU: answer once each copy's interprocess event is recorded, never before
+            if r.transfer is not None and r.transfer.enqueued is not None:
+                await r.transfer.enqueued
         return pb.LoadBackResponse(results=[
             pb.LoadBackResult(device_indices=_slots(r.indices), loaded_len=r.loaded_len, receipt_id=r.receipt,
-                              transfer_id=r.transfer.id if r.transfer else 0, reason=r.reason) for r in out])
+                              transfer_id=r.transfer.id if r.transfer else 0, reason=r.reason,
+                              ipc_event_handle=r.transfer.ipc_event_handle if r.transfer else b"") for r in out])
 
     @unary("WaitTransfers")
     async def WaitTransfers(self, request):
@@ -262,9 +266,9 @@ class RadixCacheService(pb_grpc.RadixCacheServicer):
                     yield pb.EventBatch(gap=True, first_seq=gap, message=f"batches {request.from_seq}..{gap - 1} "
                                         "left the replay buffer: resynchronise")
                 last = -1
-                for seq, ts, events, _ in items:
-                    last = seq
-                    yield to_proto(seq, ts, events)
+                for b in items:
+                    last = b.seq
+                    yield to_proto(b.seq, b.ts, b.events)
             else:
                 last = hub.next_seq - 1
             while request.follow:

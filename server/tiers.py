@@ -213,7 +213,8 @@ class HostTier:
         slots = self._take(self.dev_alloc, plan.tokens)
         path = self.tree.commit_load_back(plan.op, slots)
         t = self.engine.submit("h2d", self.host_pool, plan.host_slots, self.dev_pool, slots,
-                               lambda t, op=plan.op: self._load_done(op, t), owner=session)
+                               lambda t, op=plan.op: self._load_done(op, t), owner=session,
+                               ipc=self.dev_pool.backend == "cuda")
         self.loads[plan.op] = _Load(slots, t, session)
         return LoadBack(path.astype(np.int64), plan.tokens, plan.op, t)
 

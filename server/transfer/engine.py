@@ -11,7 +11,7 @@ import itertools
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -35,7 +35,10 @@ class Transfer:
     ok: bool = False
     error: str = ""
     seconds: float = 0.0
+    ipc_event_handle: bytes = b""  # GPU load-back: the interprocess event a worker's stream can wait on
     future: Optional[asyncio.Future] = field(default=None, repr=False)
+    enqueued: Optional[asyncio.Future] = field(default=None, repr=False)  # GPU + ipc: set once the event is recorded
+    event: Any = field(default=None, repr=False)  # kept while the transfer is remembered: importers may open it late
 
 
 class TransferEngine:
@@ -51,16 +54,24 @@ class TransferEngine:
         self.fail_next = 0  # test hook: make the next N copies fail as a broken copy would
         self.listeners: list[Callable[[Transfer], None]] = []
 
-    def _copier(self, src: KVPool, dst: KVPool) -> PageCopier:
+    def _copier(self, src: KVPool, dst: KVPool) -> Any:
         key = (id(src), id(dst))
         c = self._copiers.get(key)
         if c is None:
-            c = self._copiers[key] = PageCopier(src, dst)
+            if "cuda" in (src.backend, dst.backend):
+                from .cuda import CudaPageCopier
+                c = CudaPageCopier(src, dst)
+            else:
+                c = PageCopier(src, dst)
+            self._copiers[key] = c
         return c
 
     def submit(self, direction: str, src: KVPool, src_slots: np.ndarray, dst: KVPool, dst_slots: np.ndarray,
-               on_done: Callable[[Transfer], None], owner: str = "") -> Transfer:
-        """Queue a copy of whole pages; never blocks. on_done always runs, once, on the event loop."""
+               on_done: Callable[[Transfer], None], owner: str = "", ipc: bool = False) -> Transfer:
+        """Queue a copy of whole pages; never blocks. on_done always runs, once, on the event loop.
+
+        With `ipc` and a CUDA pool, `t.enqueued` resolves once the copy's interprocess event is recorded
+        (`t.ipc_event_handle`); a worker may then wait on it instead of on the whole transfer."""
         copier = self._copier(src, dst)
         src_slots = np.array(src_slots, dtype=np.int64)
         dst_slots = np.array(dst_slots, dtype=np.int64)
@@ -69,11 +80,20 @@ class TransferEngine:
         fail = self.fail_next > 0
         self.fail_next -= fail
         loop = asyncio.get_running_loop()
-        t.future = loop.run_in_executor(self._pool, self._run, copier, src_slots, dst_slots, fail)
+        notify = None
+        if ipc and hasattr(copier, "enqueue"):
+            t.enqueued = loop.create_future()
+
+            def notify(handle: bytes, event: Any, t: Transfer = t) -> None:
+                t.ipc_event_handle, t.event = handle, event  # an exported event must outlive its importers' use
+                loop.call_soon_threadsafe(lambda: t.enqueued.done() or t.enqueued.set_result(handle))
+        t.future = loop.run_in_executor(self._pool, self._run, copier, src_slots, dst_slots, fail, notify)
         self.active[t.id] = t
 
         def finished(fut: asyncio.Future) -> None:
             t.done = True
+            if t.enqueued is not None and not t.enqueued.done():
+                t.enqueued.set_result(b"")  # failed before its event was recorded: waiters go by `ok`
             exc = fut.exception()
             if exc is None:
                 t.ok, t.seconds = True, fut.result()
@@ -90,11 +110,17 @@ class TransferEngine:
         return t
 
     @staticmethod
-    def _run(copier: PageCopier, src_slots: np.ndarray, dst_slots: np.ndarray, fail: bool) -> float:
+    def _run(copier: Any, src_slots: np.ndarray, dst_slots: np.ndarray, fail: bool,
+             notify: Optional[Callable[[bytes, Any], None]] = None) -> float:
         t0 = time.perf_counter()
         if fail:
             raise OSError("injected copy failure")
-        copier.copy(src_slots, dst_slots)
+        if notify is None:
+            copier.copy(src_slots, dst_slots)
+        else:  # GPU: record the interprocess event, hand its handle out, then wait for the stream
+            event, handle = copier.enqueue(src_slots, dst_slots, ipc=True)
+            notify(handle, event)
+            copier.finish(event)
         return time.perf_counter() - t0
 
     def get(self, tid: int) -> Optional[Transfer]:

@@ -17,20 +17,48 @@ _MAX_CALLS = 256  # beyond this many gathers a fragmented copy goes through one 
 _BIG_PAGE = 128 << 10  # page_first -> layer_first pages this large: one strided block copy per page
 
 
-def chunk_view(pool: KVPool) -> np.ndarray:
-    """The pool as a uint8 array [pages, layers x kinds, page bytes of one buffer] (no copy)."""
+def _address(a: Any) -> int:
+    iface = getattr(a, "__cuda_array_interface__", None) or a.__array_interface__
+    return iface["data"][0]
+
+
+def chunk_view(pool: KVPool) -> Any:
+    """The pool as a uint8 array [pages, layers x kinds, page bytes of one buffer] (no copy): numpy for a
+    shared-memory pool, cupy for a CUDA one."""
     spec = pool.spec
+    if pool.backend == "cuda":
+        import cupy as xp
+    else:
+        xp = np
     lk = spec.num_layers * len(spec.kinds)
     chunk = spec.page_size * spec.kv_heads * spec.head_dim * spec.itemsize
     if spec.layout == "page_first":
-        return pool.views["pages"].view(np.uint8).reshape(spec.num_pages, lk, chunk)
+        return pool.views["pages"].view(xp.uint8).reshape(spec.num_pages, lk, chunk)
     names = [f"{k}.{layer}" for layer in range(spec.num_layers) for k in spec.kinds]
-    addrs = [pool.views[n].__array_interface__["data"][0] for n in names]
+    addrs = [_address(pool.views[n]) for n in names]
     stride = addrs[1] - addrs[0] if lk > 1 else chunk * spec.num_pages
     if any(b - a != stride for a, b in zip(addrs, addrs[1:])):
         raise ValueError("layer buffers are not equally spaced")  # the pool builder guarantees they are
-    base = pool.views[names[0]].view(np.uint8).reshape(-1)
-    return np.lib.stride_tricks.as_strided(base, shape=(spec.num_pages, lk, chunk), strides=(chunk, stride, 1))
+    base = pool.views[names[0]].view(xp.uint8).reshape(-1)
+    return xp.lib.stride_tricks.as_strided(base, shape=(spec.num_pages, lk, chunk), strides=(chunk, stride, 1))
+
+
+def pages_of(slots: np.ndarray, page: int) -> np.ndarray:
+    """Page numbers of whole, in-order pages; raises if slots are not whole pages."""
+    slots = np.asarray(slots, dtype=np.int64)
+    if page == 1:
+        return slots
+    heads = slots[::page]
+    if slots.size % page or (heads % page).any() or not np.array_equal(
+            (heads[:, None] + np.arange(page)).reshape(-1), slots):
+        raise ValueError("a transfer must move whole pages in order")
+    return heads // page
+
+
+def runs_of(dp: np.ndarray) -> list[tuple[int, int]]:
+    """[start, end) index ranges of consecutive destination pages."""
+    breaks = np.flatnonzero(np.diff(dp) != 1) + 1
+    return list(zip(np.concatenate([[0], breaks]).tolist(), np.concatenate([breaks, [dp.size]]).tolist()))
 
 
 def _torch() -> Any:
@@ -63,15 +91,7 @@ class PageCopier:
 
     def pages_of(self, slots: np.ndarray) -> np.ndarray:
         """Page numbers of whole, in-order pages; raises if slots are not whole pages."""
-        slots = np.asarray(slots, dtype=np.int64)
-        p = self.page
-        if p == 1:
-            return slots
-        heads = slots[::p]
-        if slots.size % p or (heads % p).any() or not np.array_equal(
-                (heads[:, None] + np.arange(p)).reshape(-1), slots):
-            raise ValueError("a transfer must move whole pages in order")
-        return heads // p
+        return pages_of(slots, self.page)
 
     def copy(self, src_slots: np.ndarray, dst_slots: np.ndarray) -> int:
         """Copy every layer of src_slots' pages into dst_slots' pages; returns bytes moved."""
@@ -80,9 +100,8 @@ class PageCopier:
             raise ValueError("source and destination page counts differ")
         if sp.size == 0:
             return 0
-        breaks = np.flatnonzero(np.diff(dp) != 1) + 1
-        starts = np.concatenate([[0], breaks]).tolist()
-        ends = np.concatenate([breaks, [dp.size]]).tolist()
+        runs = runs_of(dp)
+        starts, ends = [a for a, _ in runs], [b for _, b in runs]
         lk = self._np_src.shape[1]
         calls = len(starts) * (1 if self._dst_page_first else lk)
         if self._per_page:  # one strided block copy per page beats the per-buffer gathers here

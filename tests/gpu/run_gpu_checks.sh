@@ -29,6 +29,7 @@ n = 16384
 idx = torch.randperm(65536 // 16, device="cuda")[: n // 16]
 slots = (idx[:, None] * 16 + torch.arange(16, device="cuda")).reshape(-1)
 print(f"{'copy':28} {'GB/s':>8}")
+ref = {}
 for name, fn in (
     ("device->host (gather)", lambda: [h.k_buffer[l][:n].copy_(d.k_buffer[l][slots], non_blocking=True) for l in range(32)]),
     ("host->device (scatter)", lambda: [d.k_buffer[l].index_copy_(0, slots, h.k_buffer[l][:n].to("cuda", non_blocking=True)) for l in range(32)]),
@@ -41,6 +42,20 @@ for name, fn in (
     torch.cuda.synchronize()
     dt = (time.perf_counter() - t0) / 5
     print(f"{name:28} {32 * n * 8 * 128 * 2 / dt / 1e9:8.1f}")
+    ref[name] = dt
+# radixd's own copy backend (server/transfer/cuda.py) on the same pages, against the contiguous copy
+import numpy as np
+from radixd.server.transfer.cuda import CudaPageCopier
+src = (idx.cpu().numpy()[:, None] * 16 + np.arange(16)).reshape(-1)
+dst = np.arange(n)
+for name, cp, a, b in (("backup d2h (radixd)", CudaPageCopier(dev, host), src, dst),
+                       ("load-back h2d (radixd)", CudaPageCopier(host, dev), dst, src)):
+    cp.copy(a, b)
+    t0 = time.perf_counter()
+    for _ in range(5):
+        cp.copy(a, b)
+    dt = (time.perf_counter() - t0) / 5
+    print(f"{name:28} {2 * 32 * n * 8 * 128 * 2 / dt / 1e9:8.1f}   x contiguous d2h {ref['device->host (contiguous)'] / dt * 2:5.2f}")
 d.close(); h.close(); host.close(); dev.close()
 PY
 bw=$?
