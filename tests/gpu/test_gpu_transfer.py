@@ -2,7 +2,6 @@
 CUDA event that a separate worker process's stream waits on. Skipped without a GPU."""
 from __future__ import annotations
 
-import multiprocessing as mp
 import uuid
 
 import numpy as np
@@ -10,9 +9,10 @@ import pytest
 
 from radixd.server.pools.cuda import cuda_available
 
-pytestmark = pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU and cupy (none visible here)")
+from ..test_pools import _run as _in_process  # a spawned process that answers through a queue
+from ..test_service_tiers import pattern as _pattern  # the KV a worker writes, exact in bfloat16
 
-CTX = mp.get_context("spawn")
+pytestmark = pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU and cupy (none visible here)")
 
 
 def _pools(layout: str, page: int):
@@ -55,10 +55,6 @@ def test_cuda_copier_round_trip_is_byte_exact(layout, page):
         dev.close()
 
 
-def _pattern(tokens: np.ndarray, layer: int) -> np.ndarray:
-    return ((tokens.astype(np.int64) * 7 + layer * 3) % 1999).astype(np.float32) - 999.0
-
-
 def _write(target, slots, tokens, q):
     import torch
 
@@ -93,22 +89,12 @@ def _read_after_event(target, slots, tokens, handle, q):
             got = [(dev.k_buffer[layer][idx].float(), dev.v_buffer[layer][idx].float())
                    for layer in range(len(dev.k_buffer))]
         stream.synchronize()
-        for layer, (k, v) in enumerate(got):
-            want = _pattern(tokens, layer)
+        for layer, (k, v) in enumerate(got):  # what the writer stored, rounded to the pool's dtype
+            want = torch.from_numpy(_pattern(tokens, layer)).to(dev.k_buffer[layer].dtype).float().numpy()
             ok &= bool(np.array_equal(k.cpu().numpy(), np.broadcast_to(want[:, None, None], k.shape)))
             ok &= bool(np.array_equal(v.cpu().numpy(), np.broadcast_to(-want[:, None, None], v.shape)))
         pools.close()
     q.put(ok)
-
-
-def _in_process(fn, *args):
-    q = CTX.Queue()
-    p = CTX.Process(target=fn, args=(*args, q))
-    p.start()
-    out = q.get(timeout=180)
-    p.join(60)
-    assert p.exitcode == 0
-    return out
 
 
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])
