@@ -27,7 +27,8 @@ def _read(pool: KVPool, slots: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("src_layout", LAYOUTS)
 @pytest.mark.parametrize("dst_layout", LAYOUTS)
-@pytest.mark.parametrize("page,heads,dim", [(1, 2, 8), (16, 2, 8), (16, 8, 128)])  # the last: 128 KiB pages
+# (16, 8, 128): 128 KiB pages; (1, 1, 3): 6-byte rows, not a multiple of 8, copied as bytes rather than int64
+@pytest.mark.parametrize("page,heads,dim", [(1, 2, 8), (16, 2, 8), (16, 8, 128), (1, 1, 3)])
 @pytest.mark.parametrize("scattered", [False, True])
 def test_copies_are_exact(src_layout, dst_layout, page, heads, dim, scattered):
     iid = uuid.uuid4().hex

@@ -43,6 +43,14 @@ def chunk_view(pool: KVPool) -> Any:
     return xp.lib.stride_tricks.as_strided(base, shape=(spec.num_pages, lk, chunk), strides=(chunk, stride, 1))
 
 
+def _widen(view: np.ndarray) -> np.ndarray:
+    """The same bytes as int64 elements where alignment allows: gathers then move 8 bytes per element,
+    which is what makes small pages (page size 1: a few KiB a row) copy near memcpy speed."""
+    if view.shape[2] % 8 or view.strides[0] % 8 or view.strides[1] % 8 or _address(view) % 8:
+        return view
+    return view.view(np.int64)
+
+
 def pages_of(slots: np.ndarray, page: int) -> np.ndarray:
     """Page numbers of whole, in-order pages; raises if slots are not whole pages."""
     slots = np.asarray(slots, dtype=np.int64)
@@ -79,9 +87,8 @@ class PageCopier:
             raise ValueError("pools differ in geometry or dtype")
         self.page = src.spec.page_size
         self.page_bytes = src.spec.slot_bytes * self.page
-        self._np_src, self._np_dst = chunk_view(src), chunk_view(dst)
+        self._np_src, self._np_dst = _widen(chunk_view(src)), _widen(chunk_view(dst))
         self._dst_page_first = dst.spec.layout == "page_first"
-        self._src_rows_contiguous = src.spec.layout == "layer_first"
         self._per_page = (src.spec.layout == "page_first" and dst.spec.layout == "layer_first"
                           and self.page_bytes >= _BIG_PAGE)
         self._t = _torch()
@@ -126,9 +133,6 @@ class PageCopier:
             n = b - a
             if self._dst_page_first:
                 t.index_select(self._src, 0, idx, out=self._dst[d0:d0 + n])
-            elif self._src_rows_contiguous:  # both sides contiguous per buffer: numpy's take is a row memcpy
-                for j in range(lk):
-                    np.take(self._np_src[:, j], sp[a:b], axis=0, out=self._np_dst[d0:d0 + n, j], mode="clip")
-            else:
+            else:  # one gather per buffer into its contiguous run (torch's gather beats numpy's take here)
                 for j in range(lk):
                     t.index_select(self._src[:, j], 0, idx, out=self._dst[d0:d0 + n, j])
