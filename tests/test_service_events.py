@@ -177,6 +177,25 @@ def test_events_over_grpc_and_zmq_rebuild_the_cache(events_server):
     sub.close(linger=0)
 
 
+def test_a_replay_right_after_a_change_includes_it(tmp_path):
+    """The publisher thread may still be hashing a batch when a replay arrives: the replay waits for it."""
+    rep = f"ipc://{tmp_path}/ev.rep"
+    n = 100_000  # tokens an insert, at page size 1: milliseconds of hashing for the publisher thread
+    srv = ServerProc("--num-slots", str(10 * n), "--layers", "1", "--kv-heads", "1", "--head-dim", "8",
+                     "--kv-events-replay-endpoint", rep)
+    try:
+        with CacheClient(srv.target) as c:
+            for i in range(10):  # each replayed at once
+                toks = np.arange(i * n, (i + 1) * n, dtype=np.int32)
+                c.cache_finished([dict(tokens=toks, indices=c.alloc(n))])
+                last = list(watch(srv.target, i, follow=False))[-1]
+                assert last.seq == i and event_dicts(last)[0]["token_ids"][-1] == int(toks[-1])
+                seq, payload = replay_zmq(rep, i)[-1]
+                assert seq == i and decode_zmq_payload(payload)[1][0]["token_ids"][-1] == int(toks[-1])
+    finally:
+        srv.stop()
+
+
 def test_a_replay_older_than_the_buffer_says_so_first(tmp_path):
     srv = ServerProc("--num-slots", "256", "--kv-events", "--kv-events-buffer", "3")
     try:
