@@ -140,9 +140,7 @@ class RadixTree(TransferMixin, StorageMixin):
             return span
         parent = node.parent
         if parent.parent is None:
-            prior = self._seeds.get(node.ns, b"")
-            if prior == b"":
-                prior = self._seed(node.ns)
+            prior = self._seed(node.ns)
         else:
             ps = parent.hashes
             if ps is None:  # ancestors without spans too (events were off until storage asked): fill top-down
@@ -154,7 +152,7 @@ class RadixTree(TransferMixin, StorageMixin):
                     self._span(nd)
                 ps = node.parent.hashes
             prior = (ps[0], ps[2] - 1)
-        node.hashes = span = ([None, node.key, prior, self._hfmt], 0, len(node.key) // self._page_b)  # lazy_span, inlined
+        node.hashes = span = _hashes.lazy_span(node.key, self._hfmt, prior)
         return span
 
     def _digests(self, node: Node) -> bytes:
@@ -162,23 +160,13 @@ class RadixTree(TransferMixin, StorageMixin):
         return _hashes.span_digests(self._span(node))
 
     def _stored(self, node: Node, medium: str) -> None:
-        parent = node.parent
         q = self._ev
         if len(q.records) >= q.limit:
             q.dropped += 1
             return
-        ps = parent.hashes if parent.parent is not None else None
-        span = node.hashes
-        if span is None:
-            if ps is not None:  # the common case, a new leaf below a hashed node: _span inlined
-                node.hashes = span = ([None, node.key, (ps[0], ps[2] - 1), self._hfmt], 0,
-                                      len(node.key) // self._page_b)
-            else:
-                span = self._span(node)
-                ps = parent.hashes if parent.parent is not None else None
-        elif ps is None and parent.parent is not None:
-            ps = self._span(parent)
-        q.records.append((STORED, span, ps, node.key, medium, node.ns[1] or None))
+        parent = node.parent
+        ps = (parent.hashes or self._span(parent)) if parent.parent is not None else None
+        q.records.append((STORED, node.hashes or self._span(node), ps, node.key, medium, node.ns[1] or None))
 
     def _removed(self, node: Node, medium: str) -> None:
         recs = self._ev.records
