@@ -153,6 +153,20 @@ def test_evict_cascades_within_one_call():
     ok(t)
 
 
+def test_a_read_only_workload_does_not_grow_the_eviction_heap():
+    """Every hit re-files its leaf in a lazy heap; without eviction the stale entries must still be dropped."""
+    t = RadixTree()
+    t.insert([1, 2, 3, 4], [1, 2, 3, 4])
+    t.insert([1, 2, 7, 8], [5, 6, 7, 8])
+    for i in range(5000):
+        t.match_prefix([1, 2, 3, 4] if i % 2 else [1, 2, 7, 8])
+        if i % 997 == 0:
+            ok(t)  # the checker bounds each heap by the live leaves
+    assert len(t._heap) <= 2 * len(t._leaves) + 1024
+    assert t.evict(2).freed.tolist() == [7, 8]  # the least recent leaf still goes first
+    ok(t)
+
+
 def test_stale_and_foreign_handles():
     t = RadixTree(instance_tag=7)
     t.insert([1, 2], [1, 2])

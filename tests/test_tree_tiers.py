@@ -54,6 +54,20 @@ def test_backed_up_leaf_is_demoted_and_its_parent_becomes_a_leaf():
     ok(t)
 
 
+def test_host_hits_on_a_demoted_leaf_do_not_grow_the_host_heap():
+    t, h = RadixTree(write_policy="write_through"), Host()
+    backed(t, h, t.insert([1, 2], [10, 11]).backups)
+    backed(t, h, t.insert([1, 2, 3, 4], [10, 11, 12, 13]).backups)
+    assert t.evict(2).demoted_tokens == 2
+    for i in range(3000):
+        assert t.match_prefix([1, 2, 3, 4]).host_hit_len == 2
+        if i % 997 == 0:
+            ok(t)  # the checker bounds each heap by the live leaves
+    assert len(t._hheap) <= 2 * len(t._hleaves) + 1024
+    assert t.evict_host(2).evicted_tokens == 2
+    ok(t)
+
+
 def test_unbacked_leaf_is_deleted_under_write_through_and_empty_parents_go():
     t = RadixTree(write_policy="write_through_selective", write_through_threshold=5)
     t.insert([1, 2], [10, 11], namespace=("ns", ""))

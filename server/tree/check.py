@@ -5,6 +5,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .tree import HEAP_FLOOR, HEAP_SLACK
+
 if TYPE_CHECKING:
     from .node import Node
     from .tree import RadixTree
@@ -31,6 +33,8 @@ def _expected_locks(tree: "RadixTree") -> tuple[dict[int, int], dict[int, int]]:
 
 
 def _check_heap(tree: "RadixTree", heap: list, leaves: set, ver: str, name: str, bad: list[str]) -> None:
+    if len(heap) > HEAP_SLACK * len(leaves) + HEAP_FLOOR:
+        bad.append(f"{name} heap holds {len(heap)} entries for {len(leaves)} leaves (stale entries never dropped)")
     live = {}
     for key, _, v, node in heap:
         if v == getattr(node, ver) and node in leaves:

@@ -47,6 +47,7 @@ Namespace = tuple[str, str]
 TokenInput = Union[bytes, bytearray, memoryview, np.ndarray, Iterable[int]]
 DEFAULT_NS: Namespace = ("", "")
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+HEAP_SLACK, HEAP_FLOOR = 2, 1024  # a lazy heap holds at most SLACK x live entries + FLOOR
 _SERIAL_BITS = 48
 _SERIAL_MASK = (1 << _SERIAL_BITS) - 1
 
@@ -270,6 +271,7 @@ class RadixTree(TransferMixin, StorageMixin):
         self._leaves.add(node)
         self._heap_seq += 1
         heapq.heappush(self._heap, (self._key_of(node), self._heap_seq, node.dver, node))
+        self._compact(self._heap, self._leaves, "dver")
 
     def _drop_leaf(self, node: Node) -> None:
         if node in self._leaves:
@@ -281,6 +283,7 @@ class RadixTree(TransferMixin, StorageMixin):
         self._hleaves.add(node)
         self._heap_seq += 1
         heapq.heappush(self._hheap, (self._key_of(node), self._heap_seq, node.hver, node))
+        self._compact(self._hheap, self._hleaves, "hver")
 
     def _drop_hleaf(self, node: Node) -> None:
         if node in self._hleaves:
@@ -683,8 +686,7 @@ class RadixTree(TransferMixin, StorageMixin):
             if self._ev is not None:
                 self._removed(node, GPU)
             self._tombstone(parent)
-        if len(heap) > 2 * len(leaves) + 1024:
-            self._heap = self._rebuild(leaves, "dver")
+        self._compact(heap, leaves, "dver")
         return EvictResult(_slots(freed), count, tuple(write_backs), demoted)
 
     def _evict_device_only(self, num_tokens: int) -> EvictResult:
@@ -718,8 +720,7 @@ class RadixTree(TransferMixin, StorageMixin):
             self._ev.push_raw((REMOVED, gone, GPU))
         self.evictable_size -= count
         self.counters.evicted_tokens_device += count
-        if len(heap) > 2 * len(leaves) + 1024:
-            self._heap = self._rebuild(leaves, "dver")
+        self._compact(heap, leaves, "dver")
         return EvictResult(_slots(freed), count)
 
     def evict_host(self, num_tokens: int, spill: bool = False) -> EvictResult:
@@ -762,8 +763,7 @@ class RadixTree(TransferMixin, StorageMixin):
             parent = node.parent
             self._unlink(node)
             self._tombstone(parent)
-        if len(heap) > 2 * len(leaves) + 1024:
-            self._hheap = self._rebuild(leaves, "hver")
+        self._compact(heap, leaves, "hver")
         return EvictResult(_slots(freed), count, spilled=tuple(spilled))
 
     @staticmethod
@@ -771,15 +771,18 @@ class RadixTree(TransferMixin, StorageMixin):
         return (nd.parent is not None and nd.value is not None and nd.host_value is not None
                 and not nd.pending and not nd.loading and nd.host_lock_ref == 0)
 
-    def _rebuild(self, leaves: set[Node], ver: str) -> list[tuple]:
-        heap = []
+    def _compact(self, heap: list[tuple], leaves: set[Node], ver: str) -> None:
+        """Drop a lazy heap's stale entries once they outnumber the live ones (every touch of a leaf pushes
+        a new entry). In place, so an eviction loop holding the list keeps a valid heap."""
+        if len(heap) <= HEAP_SLACK * len(leaves) + HEAP_FLOOR:
+            return
+        heap.clear()
         for node in leaves:
             v = getattr(node, ver) + 1
             setattr(node, ver, v)
             self._heap_seq += 1
             heap.append((self._key_of(node), self._heap_seq, v, node))
         heapq.heapify(heap)
-        return heap
 
     # ----------------------------------------------------------- whole cache
     def reset(self) -> FreedSlots:
