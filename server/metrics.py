@@ -1,10 +1,12 @@
 """Prometheus metrics: RPC histograms/counters updated per call, cache state read live at scrape time."""
 from __future__ import annotations
 
+from bisect import bisect_left
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from .pools.allocator import STATE_NAMES
 
@@ -12,6 +14,48 @@ if TYPE_CHECKING:
     from .core import CacheCore
 
 BUCKETS = (50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25, 1.0)
+
+
+_LE = tuple(floatToGoString(b) for b in BUCKETS) + ("+Inf",)
+
+
+class RpcCollector:
+    """RPC latency and outcomes as plain counts the event loop bumps, turned into families at scrape time: a
+    prometheus_client Histogram takes a lock per bucket, which the per-call path should not pay."""
+
+    def __init__(self) -> None:
+        self.latency: dict[str, list] = {}  # method -> [count per bucket ..., count over the last bound, sum]
+        self.codes: dict[tuple[str, str], int] = {}
+
+    def observe(self, method: str, seconds: float, code: str) -> None:
+        """One finished RPC (called on the event loop only)."""
+        h = self.latency.get(method)
+        if h is None:
+            h = self.latency[method] = [0] * len(_LE) + [0.0]
+        h[bisect_left(BUCKETS, seconds)] += 1  # Prometheus buckets are upper-inclusive
+        h[-1] += seconds
+        key = (method, code)
+        self.codes[key] = self.codes.get(key, 0) + 1
+
+    def collect(self):
+        hist = HistogramMetricFamily("radixd_rpc_latency_seconds", "Server-side RPC latency", labels=["method"])
+        for method, h in list(self.latency.items()):
+            h = list(h)  # one copy under the GIL, so count, buckets and sum agree
+            cum, buckets = 0, []
+            for le, n in zip(_LE, h):
+                cum += n
+                buckets.append((le, cum))
+            hist.add_metric([method], buckets, h[-1])
+        yield hist
+        req = CounterMetricFamily("radixd_rpc_requests", "RPCs by method and status code", labels=["method", "code"])
+        err = CounterMetricFamily("radixd_rpc_errors", "Failed RPCs by method and status code",
+                                  labels=["method", "code"])
+        for (method, code), n in list(self.codes.items()):
+            req.add_metric([method, code], n)
+            if code != "OK":
+                err.add_metric([method, code], n)
+        yield req
+        yield err
 
 
 class CacheCollector:
@@ -106,17 +150,13 @@ class Metrics:
     def __init__(self, core: "CacheCore"):
         disable_created_metrics()  # no `_created` twin of every counter and histogram
         self.registry = CollectorRegistry()
-        self.latency = Histogram("radixd_rpc_latency_seconds", "Server-side RPC latency", ["method"],
-                                 buckets=BUCKETS, registry=self.registry)
-        self.requests = Counter("radixd_rpc_requests", "RPCs by method and status code", ["method", "code"],
-                                registry=self.registry)
-        self.errors = Counter("radixd_rpc_errors", "Failed RPCs by method and status code", ["method", "code"],
-                              registry=self.registry)
+        self.rpc = RpcCollector()
+        self.registry.register(self.rpc)
+        self.observe = self.rpc.observe  # one finished RPC: (method, seconds, code)
         self.transfer_bytes = Counter("radixd_transfer_bytes", "Bytes copied between tiers", ["direction"],
                                       registry=self.registry)
         self.transfer_seconds = Histogram("radixd_transfer_seconds", "Copy time per transfer", ["direction"],
                                           buckets=BUCKETS, registry=self.registry)
-        self._children: dict[tuple[str, str], tuple] = {}
         self.registry.register(CacheCollector(core))
         self.address = ""
         if core.host is not None:
@@ -131,18 +171,6 @@ class Metrics:
         if t.ok:
             self.transfer_bytes.labels(t.direction).inc(t.nbytes)
             self.transfer_seconds.labels(t.direction).observe(t.seconds)
-
-    def observe(self, method: str, seconds: float, code: str) -> None:
-        """One finished RPC; the labelled children are looked up once per (method, code), not per call."""
-        key = (method, code)
-        children = self._children.get(key)
-        if children is None:
-            children = self._children[key] = (self.latency.labels(method), self.requests.labels(method, code),
-                                              self.errors.labels(method, code) if code != "OK" else None)
-        children[0].observe(seconds)
-        children[1].inc()
-        if children[2] is not None:
-            children[2].inc()
 
     def serve(self, host: str, port: int) -> str:
         """Start the HTTP endpoint; port 0 picks a free one. Returns host:port."""
