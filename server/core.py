@@ -53,6 +53,16 @@ def decode_tokens(raw: bytes, what: str = "tokens") -> np.ndarray:
     return arr
 
 
+def token_key(raw: bytes, what: str = "tokens") -> bytes:
+    """The packed tokens themselves, checked as decode_tokens checks them: the tree keys on these bytes, so a
+    match costs no array at all (a negative little-endian int32 is one whose last byte has its top bit set)."""
+    if len(raw) % 4:
+        raise BadRequest(f"{what}: {len(raw)} bytes is not a whole number of int32 tokens")
+    if not raw[3::4].isascii():
+        decode_tokens(raw, what)  # names the offending id
+    return raw
+
+
 def decode_slots(raw: bytes, capacity: int, what: str = "indices") -> np.ndarray:
     """Packed little-endian int64 slot indices, each in [0, capacity)."""
     if len(raw) % 8:

@@ -13,7 +13,7 @@ from radixd.proto import cache_pb2 as pb
 from radixd.proto import cache_pb2_grpc as pb_grpc
 
 from . import __version__
-from .core import CacheCore, Item, decode_slots, decode_tokens
+from .core import CacheCore, Item, decode_slots, decode_tokens, token_key
 from .errors import Conflict, NotFound, ServiceError
 from .metrics import Metrics
 from .pools.allocator import SlotError
@@ -154,14 +154,14 @@ class RadixCacheService(pb_grpc.RadixCacheServicer):
     @unary("MatchPrefix")
     async def MatchPrefix(self, request):
         s = self.core.session(request.session_id) if request.session_id else None
-        items = [(decode_tokens(it.tokens, f"item {i} tokens"), _ns(it), it.lock)
-                 for i, it in enumerate(request.items)]
         if self.core.storage is None:
+            items = [(token_key(it.tokens, f"item {i} tokens"), _ns(it), it.lock) for i, it in enumerate(request.items)]
             return pb.MatchResponse(results=[
                 pb.MatchResult(device_indices=_slots(m.indices), matched_len=m.matched_len,
                                host_hit_len=m.host_hit_len, node_id=m.node_id, receipt_id=r,
                                best_node_id=m.best_node_id)
                 for m, r in self.core.match(s, items)])
+        items = [(decode_tokens(it.tokens, f"item {i} tokens"), _ns(it), it.lock) for i, it in enumerate(request.items)]
         return pb.MatchResponse(results=[
             pb.MatchResult(device_indices=_slots(m.indices), matched_len=m.matched_len, host_hit_len=m.host_hit_len,
                            node_id=m.node_id, receipt_id=r, best_node_id=m.best_node_id, prefetch_len=pf)

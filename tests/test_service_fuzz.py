@@ -159,3 +159,20 @@ def test_oversized_requests_are_refused_before_anything_is_allocated(world):
         stub.Alloc(pb.AllocRequest(session_id=c.session_id, num_tokens=[limit // 2, limit // 2 + 4]), timeout=30)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and str(limit) in e.value.details()
     assert _state(c) == before
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.binary(max_size=41), _packed("<i4", -2**31, 2**31 - 1), _packed("<i4", 0, 2**31 - 1)))
+def test_match_keys_are_refused_exactly_when_decoded_tokens_are(raw):
+    """MatchPrefix keys the tree on the request's bytes (token_key); it must refuse what decode_tokens refuses,
+    with the same message, and pass everything else through untouched."""
+    from radixd.server.core import decode_tokens, token_key
+    from radixd.server.errors import BadRequest
+    try:
+        want = decode_tokens(raw, "item 0 tokens").tobytes()
+    except BadRequest as e:
+        with pytest.raises(BadRequest) as got:
+            token_key(raw, "item 0 tokens")
+        assert str(got.value) == str(e)
+    else:
+        assert token_key(raw, "item 0 tokens") == want
