@@ -12,6 +12,8 @@ from radixd.server.pools.descriptor import BufferDesc, PoolDescriptor
 
 def tokens_bytes(tokens: Any) -> bytes:
     """numpy / torch / list / bytes -> packed little-endian int32."""
+    if type(tokens) is np.ndarray:
+        return tokens.astype("<i4", copy=False).tobytes()
     if isinstance(tokens, (bytes, bytearray)):
         return bytes(tokens)
     if hasattr(tokens, "detach"):  # torch
@@ -32,7 +34,7 @@ def slots_array(raw: bytes) -> np.ndarray:
     return np.frombuffer(raw, dtype="<i8")
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: a frozen dataclass pays object.__setattr__ per field on every match
 class Match:
     """MatchPrefix result: device slot indices (int64), lengths, node handle and lock receipt (0 = none)."""
 
@@ -89,8 +91,10 @@ class Inserted:
 
 
 def match_request(session_id: str, keys: Sequence[Any], lock: bool, extra_key: str, cache_salt: str):
-    return pb.MatchRequest(session_id=session_id, items=[
-        pb.MatchItem(tokens=tokens_bytes(k), extra_key=extra_key, cache_salt=cache_salt, lock=lock) for k in keys])
+    if lock or extra_key or cache_salt:
+        return pb.MatchRequest(session_id=session_id, items=[
+            pb.MatchItem(tokens=tokens_bytes(k), extra_key=extra_key, cache_salt=cache_salt, lock=lock) for k in keys])
+    return pb.MatchRequest(session_id=session_id, items=[pb.MatchItem(tokens=tokens_bytes(k)) for k in keys])
 
 
 def matches(resp) -> list[Match]:
