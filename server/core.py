@@ -53,13 +53,11 @@ def decode_tokens(raw: bytes, what: str = "tokens") -> np.ndarray:
     return arr
 
 
-def token_key(raw: bytes, what: str = "tokens") -> bytes:
-    """The packed tokens themselves, checked as decode_tokens checks them: the tree keys on these bytes, so a
-    match costs no array at all (a negative little-endian int32 is one whose last byte has its top bit set)."""
-    if len(raw) % 4:
-        raise BadRequest(f"{what}: {len(raw)} bytes is not a whole number of int32 tokens")
-    if not raw[3::4].isascii():
-        decode_tokens(raw, what)  # names the offending id
+def token_key(raw: bytes, item: int) -> bytes:
+    """Request item `item`'s packed tokens themselves, refused as decode_tokens refuses them: the tree keys on
+    these bytes, so a match builds no array (a negative little-endian int32 has its last byte's top bit set)."""
+    if len(raw) % 4 or not raw[3::4].isascii():
+        decode_tokens(raw, f"item {item} tokens")  # raises, naming the fault
     return raw
 
 

@@ -155,7 +155,8 @@ class RadixCacheService(pb_grpc.RadixCacheServicer):
     async def MatchPrefix(self, request):
         s = self.core.session(request.session_id) if request.session_id else None
         if self.core.storage is None:
-            items = [(token_key(it.tokens, f"item {i} tokens"), _ns(it), it.lock) for i, it in enumerate(request.items)]
+            items = [(token_key(it.tokens, i), (it.extra_key, it.cache_salt), it.lock)
+                     for i, it in enumerate(request.items)]
             return pb.MatchResponse(results=[
                 pb.MatchResult(device_indices=_slots(m.indices), matched_len=m.matched_len,
                                host_hit_len=m.host_hit_len, node_id=m.node_id, receipt_id=r,
