@@ -6,7 +6,8 @@ Workloads: synthetic multi-turn conversations (page 1 and 16) and replays of ../
 
     python bench/tree_bench.py [--sglang-python PY] [--conversations 1000] [--trace-requests 500]
                                [--write-policy write_through|write_through_selective|write_back] [--events]
-    python bench/tree_bench.py --events-cost RUNS    # radixd alone: KV events off vs on (request-path cost)
+    python bench/tree_bench.py --events-cost RUNS [--publisher thread|inline|after]
+        # radixd alone: KV events off vs on (request-path cost)
 
 With --write-policy the host tier is on: every backup the tree asks for is committed and finished inline
 (no data is copied), so the numbers show the tree's own cost of the second tier.
@@ -101,9 +102,10 @@ def workloads(args):
 
 # ------------------------------------------------------------------ adapters
 class RadixdImpl:
-    def __init__(self, page: int, write_policy: str | None = None, events: bool = False, inline: bool = False):
+    def __init__(self, page: int, write_policy: str | None = None, events: bool = False, publisher: str = "thread"):
         from radixd.server.tree import RadixTree
-        self.inline = inline
+        self.inline = publisher == "inline"
+        self.deferred = publisher == "after"
         kw = {"write_policy": write_policy} if write_policy else {}
         if events:
             kw["events"] = True
@@ -115,7 +117,7 @@ class RadixdImpl:
             import queue
             import threading
             self._q: "queue.SimpleQueue" = queue.SimpleQueue()
-            if not self.inline:
+            if not self.inline and not self.deferred:
                 self._pub = threading.Thread(target=self._publisher, daemon=True)
                 self._pub.start()
 
@@ -150,6 +152,9 @@ class RadixdImpl:
 
     def publish_done(self) -> tuple[int, int]:
         """Wait for the publisher to finish; (pages, ns) it handled."""
+        if self.deferred and hasattr(self, "_q"):  # the publisher's work, done only now that the timing is over
+            while not self._q.empty():
+                self._publish_one(self._q.get())
         if hasattr(self, "_pub"):
             self._q.put(None)
             self._pub.join()
@@ -261,7 +266,7 @@ def run_worker(impl_name: str, only: str, args) -> dict:
         if wname != only:
             continue
         ops = make()
-        impl = RadixdImpl(page, args.write_policy, args.events, args.publisher == "inline") if impl_name == "radixd" else SGLangImpl(page, args.events)
+        impl = RadixdImpl(page, args.write_policy, args.events, args.publisher) if impl_name == "radixd" else SGLangImpl(page, args.events)
         times = {"insert": [], "match_cont": [], "match_new": [], "lock_unlock": [], "evict": []}
         nodes = []
         slot = 0
@@ -393,9 +398,10 @@ def main() -> None:
     ap.add_argument("--events", action="store_true", help="KV events on in both caches (drained after each op)")
     ap.add_argument("--events-cost", type=int, metavar="RUNS",
                     help="instead: radixd alone, events off vs on, RUNS interleaved runs per workload (medians)")
-    ap.add_argument("--publisher", choices=["thread", "inline"], default="thread",
+    ap.add_argument("--publisher", choices=["thread", "inline", "after"], default="thread",
                     help="where radixd's events are hashed: a publisher thread beside the operations (the "
-                         "server's way), or between operations, untimed")
+                         "server's way), between operations (untimed), or after the whole timed run (what the "
+                         "tree's own recording costs, with no publisher work anywhere near the operations)")
     ap.add_argument("--worker", choices=["radixd", "sglang"], help=argparse.SUPPRESS)
     ap.add_argument("--workload", help=argparse.SUPPRESS)
     ap.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
