@@ -336,56 +336,66 @@ def find_sglang_python(explicit: str | None) -> str | None:
 
 
 def events_cost(args, base: list[str]) -> None:
-    """What KV events cost the request path: the same radixd run with events off and on, interleaved."""
-    def run(wname: str, events: bool) -> dict:
-        cmd = [sys.executable, *base, "--worker", "radixd", "--workload", wname] + (["--events"] if events else [])
+    """What KV events cost: the same radixd run with events off and on, interleaved. "tree": the tree's own
+    recording on the request path (the publisher's work done after the timed run); then with the publisher
+    beside the operations as the server runs it (--publisher thread, or between operations with inline)."""
+    def run(wname: str, publisher: str | None) -> dict:
+        cmd = [sys.executable, *base, "--worker", "radixd", "--workload", wname]
+        cmd += ["--events", "--publisher", publisher] if publisher else []
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode:
             sys.exit(f"worker failed on {wname}:\n{r.stderr[-3000:]}")
         return json.loads(r.stdout.strip().splitlines()[-1])[wname]
 
-    print(f"{'workload':22} {'op':8} {'off ms':>8} {'on ms':>8} {'on/off':>7} {'off/off':>8} {'cpu on/off':>11}   "
-          f"(medians of {args.events_cost} interleaved off, on, off runs; off/off is the noise floor; cpu: the "
-          "operating thread's own CPU time)")
-    worst: dict[str, float] = {}
-    worst_cpu: dict[str, float] = {}
+    modes = ["after"] + ([args.publisher] if args.publisher != "after" else [])
+    ops = ("insert", "match", "evict", "all")
+    print(f"{'workload':22} {'op':8} {'off ms':>8} " + " ".join(f"{m + ' ms':>10} {m + '/off':>11} {'cpu':>6}"
+                                                              for m in modes) + f" {'off/off':>8}")
+    print(f"  (medians of {args.events_cost} interleaved runs off, {', '.join(modes)}, off; after = the tree's own "
+          "recording, its publisher's work done after the timed run; off/off is the noise floor; cpu: the "
+          "operating thread's own CPU time, on/off)")
+    worst: dict[tuple, float] = {}
     pub = []
     for wname, _, _ in workloads(args):
-        ratios: dict[str, list] = {"insert": [], "match": [], "evict": [], "all": []}
-        null: dict[str, list] = {"insert": [], "match": [], "evict": [], "all": []}
-        cpu_ratios: dict[str, list] = {"insert": [], "match": [], "evict": [], "all": []}
-        tot: dict[tuple, list] = {}
+        ratios = {(m, op): [] for m in modes for op in ops}
+        cpu = {(m, op): [] for m in modes for op in ops}
+        null = {op: [] for op in ops}
+        ms: dict[tuple, list] = {}
         for _ in range(args.events_cost):
-            sums, cpus = [], []
-            for events in (False, True, False):
-                w = run(wname, events)
+            sums, cpus = {}, {}
+            for k in ["off0", *modes, "off1"]:
+                w = run(wname, None if k.startswith("off") else k)
                 t = w["times"]
-                cpus.append(dict(w["cpu"], all=sum(w["cpu"].values())))
-                sums.append({"insert": sum(t["insert"]), "match": sum(t["match_cont"]) + sum(t.get("match_new", [])),
-                             "evict": sum(t["evict"])})
-                sums[-1]["all"] = sum(sums[-1].values())
-                if events and w["publish_pages"]:
+                cpus[k] = dict(w["cpu"], all=sum(w["cpu"].values()))
+                sums[k] = {"insert": sum(t["insert"]), "match": sum(t["match_cont"]) + sum(t.get("match_new", [])),
+                           "evict": sum(t["evict"])}
+                sums[k]["all"] = sum(sums[k].values())
+                if not k.startswith("off") and w["publish_pages"]:
                     pub.append(w["publish_ns"] / w["publish_pages"])
-            for op in ratios:
-                off = (sums[0][op] + sums[2][op]) / 2
-                ratios[op].append(sums[1][op] / off)
-                null[op].append(sums[2][op] / sums[0][op])
-                cpu_ratios[op].append(cpus[1][op] * 2 / (cpus[0][op] + cpus[2][op]))
-                tot.setdefault((op, False), []).append(off / 1e6)
-                tot.setdefault((op, True), []).append(sums[1][op] / 1e6)
-        for op, rs in ratios.items():
-            med = float(np.median(rs))
-            worst[op] = max(worst.get(op, 0.0), med)
-            cmed = float(np.median(cpu_ratios[op]))
-            worst_cpu[op] = max(worst_cpu.get(op, 0.0), cmed)
-            print(f"{wname:22} {op:8} {np.median(tot[(op, False)]):8.1f} {np.median(tot[(op, True)]):8.1f} {med:7.3f} "
-                  f"{float(np.median(null[op])):8.3f} {cmed:11.3f}")
+            for op in ops:
+                off = (sums["off0"][op] + sums["off1"][op]) / 2
+                coff = (cpus["off0"][op] + cpus["off1"][op]) / 2
+                null[op].append(sums["off1"][op] / sums["off0"][op])
+                ms.setdefault(("off", op), []).append(off / 1e6)
+                for m in modes:
+                    ratios[(m, op)].append(sums[m][op] / off)
+                    cpu[(m, op)].append(cpus[m][op] / coff)
+                    ms.setdefault((m, op), []).append(sums[m][op] / 1e6)
+        for op in ops:
+            cells = []
+            for m in modes:
+                med = float(np.median(ratios[(m, op)]))
+                worst[(m, op)] = max(worst.get((m, op), 0.0), med)
+                cells.append(f"{np.median(ms[(m, op)]):10.1f} {med:11.3f} {float(np.median(cpu[(m, op)])):6.3f}")
+            print(f"{wname:22} {op:8} {np.median(ms[('off', op)]):8.1f} " + " ".join(cells) +
+                  f" {float(np.median(null[op])):8.3f}")
     from radixd.server.events import NATIVE
-    print(f"publisher (off the request path, {'native' if NATIVE else 'Python'} encoder): "
-          f"{np.median(pub):.0f} ns per page hashed and encoded")
-    print("RESULT " + " ".join(f"events_{op}_x={v:.3f}" for op, v in worst.items() if op != "all") +
-          f" events_total_x={worst['all']:.3f} events_total_cpu_x={worst_cpu['all']:.3f}" +
-          f" publish_ns_per_page={np.median(pub):.0f}")
+    print(f"publisher ({'native' if NATIVE else 'Python'} encoder): {np.median(pub):.0f} ns per page hashed and encoded")
+    res = " ".join(f"events_{op}_x={worst[('after', op)]:.3f}" for op in ops if op != "all")
+    res += f" events_total_x={worst[('after', 'all')]:.3f}"
+    for m in modes[1:]:
+        res += f" events_total_{m}_x={worst[(m, 'all')]:.3f}"
+    print(f"RESULT {res} publish_ns_per_page={np.median(pub):.0f}")
 
 
 def main() -> None:
@@ -401,7 +411,8 @@ def main() -> None:
     ap.add_argument("--publisher", choices=["thread", "inline", "after"], default="thread",
                     help="where radixd's events are hashed: a publisher thread beside the operations (the "
                          "server's way), between operations (untimed), or after the whole timed run (what the "
-                         "tree's own recording costs, with no publisher work anywhere near the operations)")
+                         "tree's own recording costs, with no publisher work anywhere near the operations); "
+                         "--events-cost always measures after, and this mode beside it")
     ap.add_argument("--worker", choices=["radixd", "sglang"], help=argparse.SUPPRESS)
     ap.add_argument("--workload", help=argparse.SUPPRESS)
     ap.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
@@ -413,10 +424,10 @@ def main() -> None:
     if args.worker:
         print(json.dumps(run_worker(args.worker, args.workload, args)))
         return
-    base = [__file__, "--conversations", str(args.conversations), "--trace-requests", str(args.trace_requests),
-            "--publisher", args.publisher]
+    base = [__file__, "--conversations", str(args.conversations), "--trace-requests", str(args.trace_requests)]
     if args.events_cost:
         return events_cost(args, base)
+    base += ["--publisher", args.publisher]
     if args.write_policy:
         base += ["--write-policy", args.write_policy]
     if args.events:
