@@ -15,6 +15,7 @@ from radixd.server.pools.pool import KVPool
 
 _MAX_CALLS = 256  # beyond this many gathers a fragmented copy goes through one temporary instead
 _BIG_PAGE = 128 << 10  # page_first -> layer_first pages this large: one strided block copy per page
+_SMALL_ROW = 8 << 10  # layer_first -> page_first rows smaller than this: one gather per buffer, not per page
 
 
 def _address(a: Any) -> int:
@@ -88,7 +89,10 @@ class PageCopier:
         self.page = src.spec.page_size
         self.page_bytes = src.spec.slot_bytes * self.page
         self._np_src, self._np_dst = _widen(chunk_view(src)), _widen(chunk_view(dst))
-        self._dst_page_first = dst.spec.layout == "page_first"
+        row = self.page_bytes // (src.spec.num_layers * len(src.spec.kinds))
+        # one gather of whole pages, unless a strided source's small rows go faster buffer by buffer
+        self._whole_pages = dst.spec.layout == "page_first" and not (
+            src.spec.layout == "layer_first" and row < _SMALL_ROW)
         self._per_page = (src.spec.layout == "page_first" and dst.spec.layout == "layer_first"
                           and self.page_bytes >= _BIG_PAGE)
         self._t = _torch()
@@ -110,7 +114,7 @@ class PageCopier:
         runs = runs_of(dp)
         starts, ends = [a for a, _ in runs], [b for _, b in runs]
         lk = self._np_src.shape[1]
-        calls = len(starts) * (1 if self._dst_page_first else lk)
+        calls = len(starts) * (1 if self._whole_pages else lk)
         if self._per_page:  # one strided block copy per page beats the per-buffer gathers here
             src, dst = self._np_src, self._np_dst
             for a, b in zip(sp.tolist(), dp.tolist()):
@@ -131,8 +135,8 @@ class PageCopier:
             idx = idx_all[a:b]
             d0 = int(dp[a])
             n = b - a
-            if self._dst_page_first:
+            if self._whole_pages:
                 t.index_select(self._src, 0, idx, out=self._dst[d0:d0 + n])
-            else:  # one gather per buffer into its contiguous run (torch's gather beats numpy's take here)
+            else:  # one gather per buffer into its run (torch's gather beats numpy's take here)
                 for j in range(lk):
                     t.index_select(self._src[:, j], 0, idx, out=self._dst[d0:d0 + n, j])
