@@ -122,9 +122,9 @@ class RadixdImpl:
                 self._pub.start()
 
     def _take(self):
-        raw, _ = self.t.take_raw_events()  # what the server does after every RPC, on the request path
-        if raw.records:
-            self._q.put(raw)
+        records, _ = self.t.take_records()  # what the server does after every RPC, on the request path
+        if records:
+            self._q.put(records)
 
     def after(self):
         """Untimed, between operations: the server publishes after it answered (inline mode)."""
@@ -132,10 +132,11 @@ class RadixdImpl:
             while not self._q.empty():
                 self._publish_one(self._q.get())
 
-    def _publish_one(self, raw) -> None:
+    def _publish_one(self, records) -> None:
         """What the server's publisher thread does with one RPC's records (server/events.py)."""
         from radixd.server.events import native_payload
         t0 = time.perf_counter_ns()
+        raw = self.t.raw_events(records)
         if native_payload(raw, 0.0) is None:  # without the native encoder: hash and build Python events
             raw.materialize()
         self.published[1] += time.perf_counter_ns() - t0

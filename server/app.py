@@ -210,8 +210,8 @@ async def _run(cfg: Config, core: CacheCore, instance_id: str, sockets: list[str
     metrics = Metrics(core)
     if core.tree.events_enabled:
         try:
-            core.attach_events(EventHub(core.tree.take_raw_events, cfg.kv_events_buffer, cfg.kv_events_endpoint,
-                                        cfg.kv_events_replay_endpoint, cfg.kv_events_topic,
+            core.attach_events(EventHub(core.tree.take_records, core.tree.raw_events, cfg.kv_events_buffer,
+                                        cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint, cfg.kv_events_topic,
                                         cfg.kv_events_watcher_queue))
             await core.events.start()
         except ValueError as e:

@@ -130,9 +130,9 @@ class Watcher:
 class EventHub:
     """Sequences the tree's events into batches and fans them out; `flush()` after every change."""
 
-    def __init__(self, take: Callable[[], tuple[RawEvents, int]], buffer: int = 10000, endpoint: str = "",
-                 replay_endpoint: str = "", topic: str = "", watcher_limit: int = 4096):
-        self._take = take
+    def __init__(self, take: Callable[[], tuple[list, int]], wrap: Callable[[list], RawEvents], buffer: int = 10000,
+                 endpoint: str = "", replay_endpoint: str = "", topic: str = "", watcher_limit: int = 4096):
+        self._take, self._wrap = take, wrap
         self.buffer: deque[Batch] = deque(maxlen=buffer)
         self.next_seq = 0  # the next sequence number flush() hands out
         self.published_seq = 0  # the next one to be published (the publisher thread may be behind)
@@ -175,18 +175,21 @@ class EventHub:
 
     def flush(self) -> None:
         """Take what the tree recorded since the last flush (cheap) and have it published as one batch."""
-        raw, lost = self._take()
-        self.dropped += lost
-        if not raw.records:
+        records, lost = self._take()
+        if lost:
+            self.dropped += lost
+        if not records:
             return
         seq, ts = self.next_seq, time.time()
         self.next_seq += 1
-        fut = asyncio.get_running_loop().run_in_executor(self._pool, self._build, seq, ts, raw, bool(self.watchers))
+        fut = asyncio.get_running_loop().run_in_executor(self._pool, self._build, seq, ts, records,
+                                                         bool(self.watchers))
         fut.add_done_callback(functools.partial(self._publish, seq, ts))  # callbacks run in flush order
         self._last = fut
 
-    def _build(self, seq: int, ts: float, raw: RawEvents, proto: bool) -> tuple[Batch, Optional[pb.EventBatch]]:
+    def _build(self, seq: int, ts: float, records: list, proto: bool) -> tuple[Batch, Optional[pb.EventBatch]]:
         """On the publisher thread: hash, coalesce, encode (natively when built, with the GIL released)."""
+        raw = self._wrap(records)
         payload = native_payload(raw, ts)
         if payload is not None:
             batch = Batch(seq, ts, raw, None, payload if self._encode else None)

@@ -75,6 +75,7 @@ def bigram_keys(tokens: np.ndarray) -> np.ndarray:
 
 
 _NO_EVENTS = RawEvents([], 1, "<i4", False)  # what an empty take returns (never mutated)
+_NO_RECORDS: tuple[list, int] = ([], 0)  # likewise
 
 
 class RadixTree(TransferMixin, StorageMixin):
@@ -191,13 +192,22 @@ class RadixTree(TransferMixin, StorageMixin):
 
     def take_raw_events(self) -> tuple[RawEvents, int]:
         """The same, still unhashed: cheap to take on the request path, `materialize()` it elsewhere."""
-        if self._ev is None:
-            return _NO_EVENTS, 0
+        records, lost = self.take_records()
+        return (self.raw_events(records) if records else _NO_EVENTS), lost
+
+    def take_records(self) -> tuple[list, int]:
+        """The bare records since the last take and how many the bound dropped: the least a caller on the
+        request path can do (wrap them with `raw_events` wherever they are published)."""
         q = self._ev
-        if not q.records and not q.dropped:
-            return _NO_EVENTS, 0
-        records, lost = q.take()
-        return RawEvents(records, self.page_size, self._kdt, self.bigram), lost
+        if q is None or not (q.records or q.dropped):
+            return _NO_RECORDS
+        out, lost = q.records, q.dropped
+        q.records, q.dropped = [], 0
+        return out, lost
+
+    def raw_events(self, records: list) -> RawEvents:
+        """Records from `take_records` with what their hashing needs to know of this tree."""
+        return RawEvents(records, self.page_size, self._kdt, self.bigram)
 
     # ---------------------------------------------------------------- helpers
     _as_int32 = staticmethod(as_int32)
