@@ -280,8 +280,10 @@ class RadixTree(TransferMixin, StorageMixin):
         node.dver += 1
         self._leaves.add(node)
         self._heap_seq += 1
-        heapq.heappush(self._heap, (self._key_of(node), self._heap_seq, node.dver, node))
-        self._compact(self._heap, self._leaves, "dver")
+        heap = self._heap
+        heapq.heappush(heap, (self._key_of(node), self._heap_seq, node.dver, node))
+        if len(heap) > HEAP_SLACK * len(self._leaves) + HEAP_FLOOR:
+            self._compact(heap, self._leaves, "dver")
 
     def _drop_leaf(self, node: Node) -> None:
         if node in self._leaves:
@@ -292,8 +294,10 @@ class RadixTree(TransferMixin, StorageMixin):
         node.hver += 1
         self._hleaves.add(node)
         self._heap_seq += 1
-        heapq.heappush(self._hheap, (self._key_of(node), self._heap_seq, node.hver, node))
-        self._compact(self._hheap, self._hleaves, "hver")
+        heap = self._hheap
+        heapq.heappush(heap, (self._key_of(node), self._heap_seq, node.hver, node))
+        if len(heap) > HEAP_SLACK * len(self._hleaves) + HEAP_FLOOR:
+            self._compact(heap, self._hleaves, "hver")
 
     def _drop_hleaf(self, node: Node) -> None:
         if node in self._hleaves:
