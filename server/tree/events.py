@@ -1,7 +1,8 @@
 """KV events as the tree records them (SPEC-tiers section 6): per medium, coalesced, from a bounded queue.
 
 The tree appends raw records (lazy page spans, no hashing) on the request path; the engine takes them with
-`take_raw_events()` and materializes them (hashes, coalesces) off it, then publishes. Medium names follow SGLang:
+`take_records()` (a list swap), wraps them with `raw_events()` and materializes them (hashes, coalesces) off
+it, then publishes. Medium names follow SGLang:
 "GPU" for the device tier, "CPU_PINNED" for the host tier.
 """
 from __future__ import annotations
