@@ -137,8 +137,10 @@ class RadixCacheService(pb_grpc.RadixCacheServicer):
     async def Alloc(self, request):
         s = self.core.session(request.session_id)
         allocations, evicted = await self.core.alloc_slots(s, list(request.num_tokens))
-        return pb.AllocResponse(allocations=[pb.Slots(indices=_slots(a)) for a in allocations],
-                                evicted_tokens=evicted)
+        resp = pb.AllocResponse(evicted_tokens=evicted)
+        for a in allocations:
+            resp.allocations.add(indices=_slots(a))
+        return resp
 
     @unary("Free")
     def Free(self, request):
@@ -154,19 +156,20 @@ class RadixCacheService(pb_grpc.RadixCacheServicer):
     @unary("MatchPrefix")
     async def MatchPrefix(self, request):
         s = self.core.session(request.session_id) if request.session_id else None
+        resp = pb.MatchResponse()
+        add = resp.results.add  # filled in place: a list of messages would be copied once more, slots and all
         if self.core.storage is None:
             items = [(token_key(it.tokens, i), (it.extra_key, it.cache_salt), it.lock)
                      for i, it in enumerate(request.items)]
-            return pb.MatchResponse(results=[
-                pb.MatchResult(device_indices=_slots(m.indices), matched_len=m.matched_len,
-                               host_hit_len=m.host_hit_len, node_id=m.node_id, receipt_id=r,
-                               best_node_id=m.best_node_id)
-                for m, r in self.core.match(s, items)])
+            for m, r in self.core.match(s, items):
+                add(device_indices=_slots(m.indices), matched_len=m.matched_len, host_hit_len=m.host_hit_len,
+                    node_id=m.node_id, receipt_id=r, best_node_id=m.best_node_id)
+            return resp
         items = [(decode_tokens(it.tokens, f"item {i} tokens"), _ns(it), it.lock) for i, it in enumerate(request.items)]
-        return pb.MatchResponse(results=[
-            pb.MatchResult(device_indices=_slots(m.indices), matched_len=m.matched_len, host_hit_len=m.host_hit_len,
-                           node_id=m.node_id, receipt_id=r, best_node_id=m.best_node_id, prefetch_len=pf)
-            for m, r, pf in await self.core.match_storage(s, items)])
+        for m, r, pf in await self.core.match_storage(s, items):
+            add(device_indices=_slots(m.indices), matched_len=m.matched_len, host_hit_len=m.host_hit_len,
+                node_id=m.node_id, receipt_id=r, best_node_id=m.best_node_id, prefetch_len=pf)
+        return resp
 
     @unary("Prefetch")
     async def Prefetch(self, request):
@@ -194,12 +197,11 @@ class RadixCacheService(pb_grpc.RadixCacheServicer):
     @unary("CacheUnfinished")
     def CacheUnfinished(self, request):
         s = self.core.session(request.session_id)
-        out = []
+        resp = pb.CacheUnfinishedResponse()
         for r, m, receipt in self.core.cache_unfinished(s, self._items(request.items, True)):
-            out.append(pb.UnfinishedResult(
-                insert=_inserted(r),
-                device_indices=_slots(m.indices), matched_len=m.matched_len, node_id=m.node_id, receipt_id=receipt))
-        return pb.CacheUnfinishedResponse(results=out)
+            resp.results.add(insert=_inserted(r), device_indices=_slots(m.indices), matched_len=m.matched_len,
+                             node_id=m.node_id, receipt_id=receipt)
+        return resp
 
     @unary("Evict")
     async def Evict(self, request):
@@ -215,10 +217,12 @@ class RadixCacheService(pb_grpc.RadixCacheServicer):
         for r in out:  # GPU: answer once each copy's interprocess event is recorded, never before
             if r.transfer is not None and r.transfer.enqueued is not None:
                 await r.transfer.enqueued
-        return pb.LoadBackResponse(results=[
-            pb.LoadBackResult(device_indices=_slots(r.indices), loaded_len=r.loaded_len, receipt_id=r.receipt,
-                              transfer_id=r.transfer.id if r.transfer else 0, reason=r.reason,
-                              ipc_event_handle=r.transfer.ipc_event_handle if r.transfer else b"") for r in out])
+        resp = pb.LoadBackResponse()
+        for r in out:
+            resp.results.add(device_indices=_slots(r.indices), loaded_len=r.loaded_len, receipt_id=r.receipt,
+                             transfer_id=r.transfer.id if r.transfer else 0, reason=r.reason,
+                             ipc_event_handle=r.transfer.ipc_event_handle if r.transfer else b"")
+        return resp
 
     @unary("WaitTransfers")
     async def WaitTransfers(self, request):
