@@ -91,10 +91,15 @@ class Inserted:
 
 
 def match_request(session_id: str, keys: Sequence[Any], lock: bool, extra_key: str, cache_salt: str):
+    req = pb.MatchRequest(session_id=session_id)
+    add = req.items.add  # in place: a list of items would be copied once more, tokens and all
     if lock or extra_key or cache_salt:
-        return pb.MatchRequest(session_id=session_id, items=[
-            pb.MatchItem(tokens=tokens_bytes(k), extra_key=extra_key, cache_salt=cache_salt, lock=lock) for k in keys])
-    return pb.MatchRequest(session_id=session_id, items=[pb.MatchItem(tokens=tokens_bytes(k)) for k in keys])
+        for k in keys:
+            add(tokens=tokens_bytes(k), extra_key=extra_key, cache_salt=cache_salt, lock=lock)
+    else:
+        for k in keys:
+            add(tokens=tokens_bytes(k))
+    return req
 
 
 def matches(resp) -> list[Match]:
