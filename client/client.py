@@ -130,8 +130,7 @@ class CacheClient(_Base):
                                        prev_prefix_len=prev_prefix_len, priority=priority)])[0]
 
     def insert_batch(self, items: Iterable[dict]) -> list[codec.Inserted]:
-        resp = self._call("Insert", pb.InsertRequest(session_id=self.session_id,
-                                                     items=codec.insert_items(items, False)))
+        resp = self._call("Insert", codec.insert_request(pb.InsertRequest, self.session_id, items))
         return codec.inserted(resp.results)
 
     def match_prefix(self, tokens: Any, *, lock: bool = False, extra_key: str = "",
@@ -155,13 +154,11 @@ class CacheClient(_Base):
         self._call("Unlock", pb.UnlockRequest(session_id=self.session_id, receipt_id=list(receipt_ids)))
 
     def cache_finished(self, items: Iterable[dict]) -> list[codec.Inserted]:
-        resp = self._call("CacheFinished", pb.CacheFinishedRequest(session_id=self.session_id,
-                                                                   items=codec.insert_items(items, True)))
+        resp = self._call("CacheFinished", codec.insert_request(pb.CacheFinishedRequest, self.session_id, items))
         return codec.inserted(resp.results)
 
     def cache_unfinished(self, items: Iterable[dict]) -> list[tuple[codec.Inserted, codec.Match]]:
-        resp = self._call("CacheUnfinished", pb.CacheUnfinishedRequest(session_id=self.session_id,
-                                                                       items=codec.insert_items(items, True)))
+        resp = self._call("CacheUnfinished", codec.insert_request(pb.CacheUnfinishedRequest, self.session_id, items))
         return [(codec.inserted([r.insert])[0],
                  codec.Match(codec.slots_array(r.device_indices), r.matched_len, 0, r.node_id, r.receipt_id))
                 for r in resp.results]
@@ -283,8 +280,7 @@ class AsyncCacheClient(_Base):
                                                         indices=codec.slots_bytes(indices)))).freed
 
     async def insert_batch(self, items: Iterable[dict]) -> list[codec.Inserted]:
-        resp = await self._call("Insert", pb.InsertRequest(session_id=self.session_id,
-                                                           items=codec.insert_items(items, False)))
+        resp = await self._call("Insert", codec.insert_request(pb.InsertRequest, self.session_id, items))
         return codec.inserted(resp.results)
 
     async def match_batch(self, keys: Sequence[Any], *, lock: bool = False, extra_key: str = "",
@@ -304,8 +300,7 @@ class AsyncCacheClient(_Base):
         await self._call("Unlock", pb.UnlockRequest(session_id=self.session_id, receipt_id=list(receipt_ids)))
 
     async def cache_finished(self, items: Iterable[dict]) -> list[codec.Inserted]:
-        resp = await self._call("CacheFinished", pb.CacheFinishedRequest(session_id=self.session_id,
-                                                                         items=codec.insert_items(items, True)))
+        resp = await self._call("CacheFinished", codec.insert_request(pb.CacheFinishedRequest, self.session_id, items))
         return codec.inserted(resp.results)
 
     async def evict(self, num_tokens: int, host_tokens: int = 0) -> int:

@@ -107,17 +107,20 @@ def matches(resp) -> list[Match]:
                   r.best_node_id, r.prefetch_len) for r in resp.results]
 
 
-def insert_items(items: Iterable[dict], finished: bool) -> list:
-    cls = pb.FinishedItem if finished else pb.InsertItem
-    out = []
+def insert_request(cls: Any, session_id: str, items: Iterable[dict]):
+    """An InsertRequest, CacheFinishedRequest or CacheUnfinishedRequest, its items added in place (a list of
+    items would be copied once more, tokens and slots and all)."""
+    req = cls(session_id=session_id)
+    add = req.items.add
+    finished = cls is not pb.InsertRequest
     for it in items:
         kw = dict(tokens=tokens_bytes(it["tokens"]), indices=slots_bytes(it["indices"]),
                   extra_key=it.get("extra_key", ""), cache_salt=it.get("cache_salt", ""),
                   prev_prefix_len=int(it.get("prev_prefix_len", 0)), priority=int(it.get("priority", 0)))
         if finished:
             kw["receipt_id"] = int(it.get("receipt_id", 0))
-        out.append(cls(**kw))
-    return out
+        add(**kw)
+    return req
 
 
 def inserted(results) -> list[Inserted]:
