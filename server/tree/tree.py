@@ -201,9 +201,7 @@ class RadixTree(TransferMixin, StorageMixin):
         q = self._ev
         if q is None or not (q.records or q.dropped):
             return _NO_RECORDS
-        out, lost = q.records, q.dropped
-        q.records, q.dropped = [], 0
-        return out, lost
+        return q.take()
 
     def raw_events(self, records: list) -> RawEvents:
         """Records from `take_records` with what their hashing needs to know of this tree."""
