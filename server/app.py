@@ -180,14 +180,12 @@ def attach_storage(cfg: Config, core: CacheCore, spec: PoolSpec) -> None:
 
 async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
     """Run until SIGTERM/SIGINT; then NOT_SERVING, graceful stop, pools unlinked."""
-    removed = cleanup_stale()
-    if removed:
-        log.info("removed %d stale shared-memory segments of dead servers", len(removed))
+    swept = len(cleanup_stale())  # reported once serving: a refused start says only why it was refused
     instance_id = uuid.uuid4().hex
     core = build_core(cfg, instance_id)
     sockets: list[str] = []
     try:
-        await _run(cfg, core, instance_id, sockets, ready)
+        await _run(cfg, core, instance_id, sockets, ready, swept)
     finally:  # every exit, a failed start included, leaves no segment and no socket file behind
         if core.storage is not None:
             await core.storage.drain()
@@ -205,7 +203,7 @@ async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
 
 
 async def _run(cfg: Config, core: CacheCore, instance_id: str, sockets: list[str],
-               ready: asyncio.Event | None) -> None:
+               ready: asyncio.Event | None, swept: int = 0) -> None:
     """Start gRPC, health, reflection and metrics over a built core; return after a graceful stop."""
     metrics = Metrics(core)
     if core.tree.events_enabled:
@@ -286,6 +284,8 @@ async def _run(cfg: Config, core: CacheCore, instance_id: str, sockets: list[str
         os.chmod(path, 0o600)
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+    if swept:
+        log.info("removed %d stale shared-memory segments of dead servers", swept)
     pools = ",".join(f"{p.backend}:{p.tier}" for p in core.device_pools + ([core.host_pool] if core.host_pool else []))
     log.info("radixd %s instance=%s pools=%s metrics=http://%s/metrics %s", __import__("radixd.server").server.__version__,
              instance_id, pools, metrics_at, cfg.summary())

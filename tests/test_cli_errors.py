@@ -241,3 +241,19 @@ def test_every_serve_flag_has_help_text():
     assert not [name for name, kw in SERVE_FLAGS if len(kw.get("help", "")) < 10]
     r = _run(["serve", "--help"])
     assert r.returncode == 0 and all(name in r.stdout for name, _ in SERVE_FLAGS)
+
+
+def test_a_refused_start_beside_a_dead_servers_segment_is_still_one_line():
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    seg = f"/dev/shm/radixd-{dead.pid}-{os.urandom(8).hex()}-device"
+    open(seg, "wb").close()
+    try:
+        r = _run(["serve", "--storage", "file:///tmp/radixd-l3"])
+        assert r.returncode == 2, r.stderr
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and "L3 needs the host tier" in lines[0], r.stderr
+        assert not os.path.exists(seg)  # swept all the same
+    finally:
+        if os.path.exists(seg):
+            os.unlink(seg)
