@@ -47,6 +47,26 @@ def requests(name: str, n: int) -> list[np.ndarray]:
     return out
 
 
+def request_cycle(c: CacheClient, toks: np.ndarray) -> tuple[int, int]:
+    """One request as an engine makes it; returns (device hit tokens, tokens loaded back from the host)."""
+    m = c.match_prefix(toks, lock=True)
+    prefix, receipt, loaded = m.indices, m.receipt_id, 0
+    if m.host_hit_len:
+        lb = c.load_back(receipt)
+        if lb.loaded_len:
+            c.wait_transfers([lb.transfer_id])
+            loaded = lb.loaded_len
+        prefix, receipt = lb.indices, lb.receipt_id
+    need = len(toks) - len(prefix)
+    new = c.alloc(need)  # whole pages: give back the slots past the prompt
+    if len(new) > need:
+        c.free(new[need:])
+        new = new[:need]
+    c.cache_finished([dict(tokens=toks, indices=np.concatenate([prefix, new]), prev_prefix_len=len(prefix),
+                           receipt_id=receipt)])
+    return m.matched_len, loaded
+
+
 def replay(reqs: list[np.ndarray], device_tokens: int, host_tokens: int, policy: str, page: int) -> dict:
     d = tempfile.mkdtemp(prefix="radixd-replay-")
     sock = os.path.join(d, "s.sock")
@@ -63,22 +83,9 @@ def replay(reqs: list[np.ndarray], device_tokens: int, host_tokens: int, policy:
             for toks in reqs:
                 if len(toks) > device_tokens // 2:
                     continue  # a prompt must fit beside what the cache keeps locked
-                m = c.match_prefix(toks, lock=True)
-                prefix, receipt = m.indices, m.receipt_id
-                device_hit += m.matched_len
-                if m.host_hit_len:
-                    lb = c.load_back(receipt)
-                    if lb.loaded_len:
-                        c.wait_transfers([lb.transfer_id])
-                        loaded += lb.loaded_len
-                    prefix, receipt = lb.indices, lb.receipt_id
-                need = len(toks) - len(prefix)
-                new = c.alloc(need)  # whole pages: give back the slots past the prompt
-                if len(new) > need:
-                    c.free(new[need:])
-                    new = new[:need]
-                c.cache_finished([dict(tokens=toks, indices=np.concatenate([prefix, new]),
-                                       prev_prefix_len=len(prefix), receipt_id=receipt)])
+                hit, back = request_cycle(c, toks)
+                device_hit += hit
+                loaded += back
                 total += len(toks)
             s = c.stats()
             assert c.check() == []
