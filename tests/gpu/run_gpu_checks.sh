@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
 # GPU checks for radixd: CUDA IPC pools across processes, pinned host pool, dtypes, and device<->host copy
-# bandwidth. Needs only what a GPU host already has (python3 with torch, cupy, numpy, pytest, hypothesis);
-# installs nothing from an index: radixd is put on the path from this checkout. Under 5 minutes on one H200.
+# bandwidth. Needs what a GPU host's image has (python3 with torch, cupy, numpy, pytest, hypothesis) plus the
+# wheels tests/gpu/fetch_wheels.sh saves in .whl/ (grpcio, protobuf, ...), installed here with --no-index
+# when carried; radixd is put on the path from this checkout. Under 5 minutes on one H200.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/radixd-site \
+    .whl/*.whl || exit 1
+  export PYTHONPATH="/tmp/radixd-site${PYTHONPATH:+:$PYTHONPATH}"
+fi
 shim=$(mktemp -d)
 mkdir -p "$shim/radixd"
 ln -s "$PWD/server" "$shim/radixd/server"
