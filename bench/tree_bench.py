@@ -8,6 +8,8 @@ Workloads: synthetic multi-turn conversations (page 1 and 16) and replays of ../
                                [--write-policy write_through|write_through_selective|write_back] [--events]
     python bench/tree_bench.py --events-cost RUNS [--publisher thread|inline|after]
         # radixd alone: KV events off vs on (request-path cost)
+    python bench/tree_bench.py --events-instructions
+        # the same question without the machine's noise: instructions executed, counted by valgrind
 
 With --write-policy the host tier is on: every backup the tree asks for is committed and finished inline
 (no data is copied), so the numbers show the tree's own cost of the second tier.
@@ -320,6 +322,60 @@ def run_worker(impl_name: str, only: str, args) -> dict:
     return out
 
 
+def instructions_worker(only: str, mode: str, args) -> None:
+    """One workload's operations, untimed, for callgrind to count: "base" only builds the workload (and the slot
+    arrays), "off" and "on" run it with events off or on, the records taken after every operation as the server
+    takes them after every RPC and then dropped (hashing them is the publisher's work, not the tree's). The
+    garbage collector stays on, as in the server."""
+    for wname, page, make in workloads(args):
+        if wname != only:
+            continue
+        ops, slot = [], 0
+        for kind, toks in make():
+            ops.append((kind, toks, np.arange(slot, slot + len(toks), dtype=np.int32) if kind == "insert" else None))
+            slot += len(toks) if kind == "insert" else 0
+        if mode == "base":
+            return
+        impl = RadixdImpl(page, events=mode == "on", publisher="after")
+        take = impl.t.take_records
+        impl.drain = take
+        for kind, toks, vals in ops:
+            if kind == "insert":
+                impl.insert(toks, vals)
+            else:
+                impl.match(toks)
+                take()
+        while impl.evict(4096):
+            pass
+
+
+def events_instructions(args, base: list[str]) -> None:
+    """Instructions the operations execute with events on vs off, under valgrind's callgrind (deterministic)."""
+    import re
+    import shutil
+    if shutil.which("valgrind") is None:
+        sys.exit("--events-instructions needs valgrind (apt-get install valgrind)")
+    env = {**os.environ, "PYTHONHASHSEED": "0", "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+
+    def count(wname: str, mode: str) -> int:
+        r = subprocess.run(["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable, *base,
+                            "--instructions-worker", wname, "--mode", mode], capture_output=True, text=True, env=env)
+        m = re.search(r"Collected\s*:\s*(\d+)", r.stderr)
+        if r.returncode or m is None:
+            sys.exit(f"callgrind failed on {wname} {mode}:\n{r.stderr[-3000:]}")
+        return int(m.group(1))
+
+    print(f"{'workload':22} {'off Minstr':>11} {'on Minstr':>10} {'on/off':>7}   (the operations alone: each count "
+          "less a run that only builds the workload)")
+    worst = 0.0
+    for wname, _, _ in workloads(args):
+        b, off, on = (count(wname, m) for m in ("base", "off", "on"))
+        x = (on - b) / (off - b)
+        worst = max(worst, x)
+        print(f"{wname:22} {(off - b) / 1e6:11.1f} {(on - b) / 1e6:10.1f} {x:7.3f}", flush=True)
+    print(f"RESULT events_instructions_x={worst:.3f}")
+
+
 def summarize(ns: list[int]) -> dict:
     a = np.array(ns, dtype=np.float64) / 1e3
     return {"ops_s": 1e6 / a.mean(), "p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99)),
@@ -415,7 +471,11 @@ def main() -> None:
                          "server's way), between operations (untimed), or after the whole timed run (what the "
                          "tree's own recording costs, with no publisher work anywhere near the operations); "
                          "--events-cost always measures after, and this mode beside it")
+    ap.add_argument("--events-instructions", action="store_true",
+                    help="instead: instructions the operations execute with events on vs off (needs valgrind)")
     ap.add_argument("--worker", choices=["radixd", "sglang"], help=argparse.SUPPRESS)
+    ap.add_argument("--instructions-worker", help=argparse.SUPPRESS)
+    ap.add_argument("--mode", choices=["base", "off", "on"], help=argparse.SUPPRESS)
     ap.add_argument("--workload", help=argparse.SUPPRESS)
     ap.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -426,9 +486,13 @@ def main() -> None:
     if args.worker:
         print(json.dumps(run_worker(args.worker, args.workload, args)))
         return
+    if args.instructions_worker:
+        return instructions_worker(args.instructions_worker, args.mode, args)
     base = [__file__, "--conversations", str(args.conversations), "--trace-requests", str(args.trace_requests)]
     if args.events_cost:
         return events_cost(args, base)
+    if args.events_instructions:
+        return events_instructions(args, base)
     base += ["--publisher", args.publisher]
     if args.write_policy:
         base += ["--write-policy", args.write_policy]
