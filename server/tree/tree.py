@@ -166,9 +166,16 @@ class RadixTree(TransferMixin, StorageMixin):
         if len(q.records) >= q.limit:
             q.dropped += 1
             return
-        parent = node.parent
-        ps = (parent.hashes or self._span(parent)) if parent.parent is not None else None
-        q.records.append((STORED, node.hashes or self._span(node), ps, node.key, medium, node.ns[1] or None))
+        parent, span = node.parent, node.hashes
+        if parent.parent is None:
+            ps = None
+            if span is None:
+                span = self._span(node)
+        else:
+            ps = parent.hashes or self._span(parent)
+            if span is None:  # a new leaf, the common case: its span continues its parent's (as _span would)
+                node.hashes = span = _hashes.lazy_span(node.key, self._hfmt, (ps[0], ps[2] - 1))
+        q.records.append((STORED, span, ps, node.key, medium, node.ns[1] or None))
 
     def _removed(self, node: Node, medium: str) -> None:
         recs = self._ev.records
