@@ -24,7 +24,7 @@ import numpy as np
 
 from radixd.client import CacheClient
 from service_bench import pin_to
-from trace_replay import request_cycle, requests
+from trace_replay import replay_args, request_cycle, requests
 
 
 def follower(endpoint: str, page: int) -> None:
@@ -53,12 +53,7 @@ def free_port() -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--trace", default="conversation_trace.jsonl")
-    ap.add_argument("--requests", type=int, default=1500)
-    ap.add_argument("--device-tokens", type=int, default=131072)
-    ap.add_argument("--host-x", type=float, default=4.0)
-    ap.add_argument("--page", type=int, default=16)
+    ap = replay_args(__doc__, 131072)
     ap.add_argument("--follower", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.follower:

@@ -97,14 +97,19 @@ def replay(reqs: list[np.ndarray], device_tokens: int, host_tokens: int, policy:
         server.wait(10)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def replay_args(doc: str, device_tokens: int) -> argparse.ArgumentParser:
+    """The flags of a benchmark that replays a trace through servers (this one, events_service_bench.py)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trace", default="conversation_trace.jsonl")
     ap.add_argument("--requests", type=int, default=1500)
-    ap.add_argument("--device-tokens", type=int, default=262144)
+    ap.add_argument("--device-tokens", type=int, default=device_tokens)
     ap.add_argument("--host-x", type=float, default=4.0)
     ap.add_argument("--page", type=int, default=16)
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = replay_args(__doc__, 262144).parse_args()
     reqs = requests(args.trace, args.requests)
     print(f"{args.trace}: {len(reqs)} requests, {sum(map(len, reqs))} prompt tokens; device {args.device_tokens} "
           f"tokens, host {args.host_x:g}x")
