@@ -88,12 +88,15 @@ class BlockIndex:
                 kind = ev["type"]
                 if kind == "BlockStored":
                     media.setdefault(ev["medium"], Counter()).update(ev["block_hashes"])
-                elif kind == "BlockRemoved":
+                elif kind == "BlockRemoved":  # one pass (Counter.subtract is a Python loop of its own)
                     c = media.setdefault(ev["medium"], Counter())
-                    c.subtract(ev["block_hashes"])
+                    get, pop = c.get, c.pop  # dict's own: Counter.__delitem__ is Python too
                     for h in ev["block_hashes"]:
-                        if c[h] <= 0:
-                            del c[h]
+                        n = get(h, 0)
+                        if n > 1:
+                            c[h] = n - 1
+                        elif n:
+                            pop(h)
                 else:
                     for c in media.values():
                         c.clear()
