@@ -138,6 +138,7 @@ def build_core(cfg: Config, instance_id: str) -> CacheCore:
     alloc = SlotAllocator(cfg.num_slots, cfg.page_size)
     if host_slots:
         engine = TransferEngine()
+        engine.prepare(device_pools[0], host_pool)
         engine.fail_next = int(os.environ.get("RADIXD_TEST_FAIL_COPIES", "0"))  # tests: the first N copies fail
         host = HostTier(tree, alloc, device_pools[0], host_alloc, host_pool, engine)
     core = CacheCore(tree, alloc, instance_id, device_pools, host_pool, host_alloc, max_batch_tokens=cfg.num_slots,

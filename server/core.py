@@ -408,10 +408,7 @@ class CacheCore:
         """Evict device tokens (waiting for write-backs) and host tokens; returns both counts."""
         if self.host is not None and self.tree.write_back and num_tokens:
             target = self.alloc.free_pages() + self.alloc.pages_for(num_tokens)
-            try:
-                dev = await self.host.make_device_room(target)
-            except Exhausted:
-                dev = 0
+            dev = await self.host.make_device_room(target, partial=True)  # what it can, like write-through
         else:
             r = self.tree.evict(num_tokens)
             self.alloc.move(r.freed.astype(np.int64), TREE, FREE, check=False)

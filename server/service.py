@@ -113,12 +113,12 @@ class RadixCacheService(pb_grpc.RadixCacheServicer):
         try:
             yield pb.SessionEvent(session_id=sid, instance_id=iid, message="attached")
             stop = asyncio.ensure_future(self.stopping.wait())
+            got = None
             try:
                 while True:
                     got = asyncio.ensure_future(session.events.get())
                     done, _ = await asyncio.wait({stop, got}, return_when=asyncio.FIRST_COMPLETED)
                     if got not in done:
-                        got.cancel()
                         break
                     t = got.result()
                     if isinstance(t, tuple):  # ("expired", receipt): the lock lease released it
@@ -127,8 +127,10 @@ class RadixCacheService(pb_grpc.RadixCacheServicer):
                         continue
                     yield pb.SessionEvent(session_id=sid, instance_id=iid, message="transfer done",
                                           transfer_id=t.id, transfer_ok=t.ok)
-            finally:
+            finally:  # a client that goes cancels this generator inside the wait: neither future may outlive it
                 stop.cancel()
+                if got is not None:
+                    got.cancel()
             yield pb.SessionEvent(session_id=sid, instance_id=iid, message="server shutting down")
         finally:
             self.core.end_session(session)  # stream ended: client exit, crash, network or shutdown

@@ -173,12 +173,13 @@ class HostTier:
         self._free(self.host_alloc, np.fromiter(host, dtype=np.int64, count=len(host)))
 
     # ------------------------------------------------------------ device room
-    async def make_device_room(self, pages: int) -> int:
+    async def make_device_room(self, pages: int, partial: bool = False) -> int:
         """Evict until `pages` device pages are free, waiting for backups and write-backs in flight (their
-        nodes are protected until the copy lands); all or nothing up front. Returns tokens evicted."""
+        nodes are protected until the copy lands). All or nothing up front, unless `partial`: then as many
+        as can be freed. Returns tokens evicted."""
         short = pages - self.dev_alloc.free_pages()
         pending = sum(t.tokens for t, _ in self.backups.values())
-        if short > 0 and short * self.page > self.tree.evictable_size + pending:
+        if not partial and short > 0 and short * self.page > self.tree.evictable_size + pending:
             raise Exhausted(f"need {pages} free pages, {self.dev_alloc.free_pages()} free and only "
                             f"{self.tree.evictable_size} evictable tokens ({pending} more being backed up)")
         evicted = 0
@@ -195,6 +196,8 @@ class HostTier:
                 await self.engine.wait(waiting, timeout=None)
                 evicted += (self.dev_alloc.free_pages() - before) * self.page
             elif not r.evicted_tokens:
+                if partial:
+                    break
                 raise Exhausted(f"need {pages} free pages, {self.dev_alloc.free_pages()} free and nothing "
                                 "left to evict")
         return evicted

@@ -32,13 +32,20 @@ class ServerProc:
     def start(self) -> None:
         cmd = [sys.executable, "-m", "radixd.server.cli", "serve", "--listen", f"unix:{self.sock}",
                "--device", "cpu", "--metrics-addr", "127.0.0.1:0", "--grace-seconds", "1", *self.args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=self.env)
+        self.log_path = os.path.join(self.dir, "stderr.log")
+        with open(self.log_path, "ab") as err:
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=self.env)
         line = self.proc.stdout.readline()  # the server prints one 'ready' line once it serves
         if "radixd ready" not in line:
             self.proc.kill()
             raise RuntimeError(f"server did not start: {line!r}")
         self.metrics_url = line.split("metrics=")[1].split()[0]
         self.instance_id = line.split("instance=")[1].strip()
+
+    def log(self) -> str:
+        """What the server wrote to stderr (its log) so far."""
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
 
     @property
     def target(self) -> str:

@@ -265,3 +265,59 @@ def test_async_client_loads_back_too():
         asyncio.run(run())
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_evict_beyond_what_is_evictable_frees_what_it_can(policy):
+    """Evict(n) larger than the evictable total frees everything evictable (write-backs waited for), under
+    either policy; a locked prefix stays."""
+    srv = _server(16, "page_first", policy, 256, 1024)
+    try:
+        with CacheClient(srv.target) as c:
+            a, b = np.arange(1, 65, dtype=np.int32), np.arange(1000, 1064, dtype=np.int32)
+            for t in (a, b):
+                ins = c.cache_finished([dict(tokens=t, indices=c.alloc(len(t)))])[0]
+                c.wait_transfers(ins.backup_transfer_ids)
+            m = c.match_prefix(a, lock=True)
+            assert conserved(c)["cached_tokens"] == 128
+            assert c.evict(10_000) == 64  # b only: a is locked
+            s = conserved(c)
+            assert (s["cached_tokens"], s["host_cached_tokens"]) == (64, 64 if policy == "write_back" else 128)
+            c.unlock([m.receipt_id])
+            assert c.evict(10_000) == 64
+            assert conserved(c)["cached_tokens"] == 0
+    finally:
+        srv.stop()
+
+
+def test_clients_that_come_and_go_leave_no_error_in_the_log():
+    """Every Attach stream a client drops is torn down cleanly (no pending task destroyed): a clean run
+    logs no ERROR, backups and load-backs included."""
+    srv = _server(16, "page_first", "write_through")
+    try:
+        for i in range(30):  # enough dropped streams that the server's garbage collector runs meanwhile
+            with CacheClient(srv.target, name=f"client-{i}") as c:
+                if i < 5:
+                    t = np.arange(100 * i, 100 * i + 32, dtype=np.int32)
+                    ins = c.cache_finished([dict(tokens=t, indices=c.alloc(len(t)))])[0]
+                    c.wait_transfers(ins.backup_transfer_ids)
+                conserved(c)
+        with CacheClient(srv.target, name="last") as c:  # the sessions above are gone
+            assert c.stats()["sessions"] == 1
+    finally:
+        assert srv.stop() == 0
+    log = srv.log()
+    assert "ERROR" not in log and "Task was destroyed" not in log, log[-3000:]
+
+
+def test_the_copy_engine_is_ready_before_the_first_backup():
+    """Building the copiers (and importing torch) happens at start, never on the loop at the first backup."""
+    import subprocess
+    import sys
+    code = ("import sys, uuid; from radixd.server.app import build_core; from radixd.server.config import Config; "
+            "c = build_core(Config(device='cpu', num_slots=256, page_size=16, layers=2, kv_heads=2, head_dim=8, "
+            "host_slots=512), uuid.uuid4().hex); "
+            "print(len(c.host.engine._copiers), 'torch' in sys.modules); "
+            "[p.close() for p in c.device_pools + [c.host_pool]]")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["2", "True"], out.stdout + out.stderr[-2000:]

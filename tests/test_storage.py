@@ -129,6 +129,35 @@ def test_two_servers_share_one_store_byte_for_byte(store):
         b.stop()
 
 
+def test_queued_requests_sharing_a_prefix_each_get_their_whole_tail():
+    """Two queued requests share 16 pages of 36: a cold server fetching both must bring every page of each
+    (a fetch that brings only the shared pages may not stand in for the second request)."""
+    d = FileDir()
+    shared = np.arange(9000, 9000 + 16 * PAGE, dtype=np.int32)
+    s5 = np.concatenate([shared, np.arange(20000, 20000 + 20 * PAGE, dtype=np.int32)])
+    s6 = np.concatenate([shared, np.arange(30000, 30000 + 20 * PAGE, dtype=np.int32)])
+    a = _server(d.url, "--prefetch-threshold", "256", "--num-slots", "1024")
+    try:
+        with CacheClient(a.target) as c:
+            _cache(c, a.target, s5)
+            _cache(c, a.target, s6)
+    finally:
+        a.stop()
+    b = _server(d.url, "--prefetch-threshold", "256", "--num-slots", "1024")
+    try:
+        with CacheClient(b.target) as c:
+            got = c.prefetch([s5, s6], wait=True)
+            assert [(p.prefetch_len, p.host_len) for p in got] == [(len(s5), len(s5)), (len(s6), len(s6))], got
+            for s in (s5, s6):
+                m = c.match_prefix(s)
+                assert (m.matched_len, m.host_hit_len) == (0, len(s))
+            _fetch_and_read(c, b.target, s6)  # and the bytes are A's
+            conserved(c)
+    finally:
+        b.stop()
+        d.stop()
+
+
 def test_file_store_outlives_the_server():
     d = FileDir()
     try:

@@ -290,6 +290,29 @@ def test_host_locked_node_is_not_host_evicted():
     ok(t)
 
 
+def test_host_counters_say_what_an_unbounded_evict_host_frees():
+    """A host lock pins the host-only path above it: a locked 300-token path sharing 200 tokens with an
+    unlocked one leaves 100 evictable and 300 protected; device-resident copies are not host-evictable
+    under write-through."""
+    t, h = RadixTree(write_policy="write_through"), Host()
+    shared = list(range(1, 201))
+    a, b = shared + list(range(1000, 1100)), shared + list(range(2000, 2100))
+    backed(t, h, t.insert(a, list(range(300))).backups)
+    backed(t, h, t.insert(b, list(range(200)) + list(range(300, 400))).backups)
+    assert (t.host_evictable_size, t.host_protected_size) == (0, 400)  # all on device too: nothing to free
+    t.evict(400)
+    assert (t.host_evictable_size, t.host_protected_size) == (400, 0)
+    r = t.lock(t.match_prefix(a).best_node_id)
+    assert (t.host_evictable_size, t.host_protected_size) == (100, 300)
+    ok(t)
+    assert t.evict_host(10_000).evicted_tokens == 100
+    assert (t.host_evictable_size, t.host_protected_size) == (0, 300)
+    t.unlock(r)
+    assert (t.host_evictable_size, t.host_protected_size) == (300, 0)
+    assert t.evict_host(10_000).evicted_tokens == 300
+    ok(t)
+
+
 def test_write_back_reclaims_host_copies_of_device_nodes_first():
     t, h = RadixTree(write_policy="write_back", load_back_threshold=1), Host()
     t.insert([1, 2], [10, 11])

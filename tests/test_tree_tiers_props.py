@@ -52,6 +52,11 @@ class TieredMachine(RuleBasedStateMachine):
         self.d.evict_host(n * (self.page if self.page > 2 else 1))
         self.d.m.invariants(self.d.tree)
 
+    @rule()
+    def evict_host_all(self):
+        self.d.evict_host(1 << 30)  # frees exactly host_evictable_size (checked in the driver)
+        self.d.m.invariants(self.d.tree)
+
     @precondition(lambda self: bool(self.d.m.receipts))
     @rule(data=st.data())
     def unlock(self, data):

@@ -436,7 +436,12 @@ class Driver:
             assert not r.write_backs
 
     def evict_host(self, want: int) -> None:
-        self._apply_host_evict(self.tree.evict_host(want), want)
+        t = self.tree
+        evictable, cached = t.host_evictable_size, t.host_evictable_size + t.host_protected_size
+        r = t.evict_host(want)
+        if want >= cached:  # unbounded: frees exactly what the counter called evictable
+            assert r.evicted_tokens == evictable, (r.evicted_tokens, evictable)
+        self._apply_host_evict(r, want)
 
     def host_insert(self, tokens, ns, meanwhile=None) -> None:
         """A prefetch from L3 as the engine runs it: match, lock the anchor, make host room, (other work

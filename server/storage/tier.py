@@ -48,11 +48,26 @@ class Prefetch:
     outcome: str = ""
     loaded: int = 0  # tokens inserted into the tree
     started: float = field(default_factory=time.perf_counter)
+    after: Optional["Prefetch"] = None  # a fetch this one continues: it plans its pages once that one ended
+    request: Optional[np.ndarray] = None  # with `after`: the whole request, matched again then
+    want: int = 0  # tokens the request wants beyond its cached prefix (this fetch's `length`)
 
     @property
     def length(self) -> int:
         """Tokens this prefetch may bring (before the store said how many it holds)."""
-        return int(self.tokens.size)
+        return self.want or int(self.tokens.size)
+
+
+@dataclass
+class Joined:
+    """A request whose pages a running fetch already brings: its `done`, and the tokens it covers."""
+
+    op: Prefetch
+    length: int
+
+    @property
+    def done(self) -> asyncio.Event:
+        return self.op.done
 
 
 class StorageTier:
@@ -82,6 +97,7 @@ class StorageTier:
         self._put_task: Optional[asyncio.Task] = None
         self._putting = np.zeros(0, np.int64)  # host slots the running put batch reads
         self.prefetches: dict[tuple, Prefetch] = {}
+        self._serial = 0  # names each fetch in `prefetches`
         self._down_until = 0.0
         self._backoff = 0.0
         self.errors: Counter = Counter()
@@ -187,21 +203,21 @@ class StorageTier:
 
     # -------------------------------------------------------------- prefetch
     def maybe_prefetch(self, ns: tuple[str, str], tokens: np.ndarray, matched: int, host_hit: int,
-                       best_node: int, threshold: Optional[int] = None) -> Optional[Prefetch]:
-        """Start (or join) a fetch of what lies beyond the cached prefix, if it is long enough."""
+                       best_node: int, threshold: Optional[int] = None) -> Optional[Prefetch | Joined]:
+        """Start (or join) a fetch of what lies beyond the cached prefix, if it is long enough.
+
+        A running fetch is joined only when it brings every page this request wants; when it brings the
+        first of them only, a second fetch continues it (it plans once the first ended), so no request is
+        told of pages nobody fetches."""
         threshold = self.prefetch_threshold if threshold is None else threshold
         start = matched + host_hit
         end = tokens.size - tokens.size % self.page
         if end - start < max(threshold, self.page) or self.tree.bigram:
             return None
-        anchor = best_node if start else self.tree.root_id(ns)
-        _, prior = self.tree.chain_prior(anchor)
-        rest = np.ascontiguousarray(tokens[start:end], dtype="<i4")
-        digests = _hashes.chain(rest.tobytes(), self.page * 4, prior)
-        key = (ns, digests[:32])
-        op = self.prefetches.get(key)
-        if op is not None:
-            return op
+        anchor, rest, digests = self._plan(ns, tokens, start, end, best_node)
+        op, covered = self._covering(ns, digests)
+        if op is not None and covered * self.page == rest.size:
+            return Joined(op, int(rest.size))
         if not self.available:
             self.outcomes["skipped"] += 1
             return None
@@ -209,13 +225,51 @@ class StorageTier:
             self.outcomes["skipped"] += 1
             return None
         receipt = self.tree.lock(anchor)  # the anchor stays put while the pages travel
-        op = Prefetch(key, ns, anchor, receipt, rest, digests)
-        self.prefetches[key] = op
-        asyncio.get_running_loop().create_task(self._prefetch(op, threshold))
-        return op
+        self._serial += 1
+        fresh = Prefetch((ns, digests[:32], self._serial), ns, anchor, receipt, rest, digests, after=op,
+                         want=int(rest.size))
+        if op is not None:
+            fresh.request = np.array(tokens[:end], dtype=np.int32)
+        self.prefetches[fresh.key] = fresh
+        asyncio.get_running_loop().create_task(self._prefetch(fresh, threshold))
+        return fresh
+
+    def _plan(self, ns: tuple[str, str], tokens: np.ndarray, start: int, end: int,
+              best_node: int) -> tuple[int, np.ndarray, bytes]:
+        """The anchor node below which tokens[start:end] would go, those tokens, and their page digests."""
+        anchor = best_node if start else self.tree.root_id(ns)
+        _, prior = self.tree.chain_prior(anchor)
+        rest = np.ascontiguousarray(tokens[start:end], dtype="<i4")
+        return anchor, rest, _hashes.chain(rest.tobytes(), self.page * 4, prior)
+
+    def _covering(self, ns: tuple[str, str], digests: bytes) -> tuple[Optional[Prefetch], int]:
+        """The running fetch that brings the longest run of these pages from the first one, and that run."""
+        best, most = None, 0
+        want = np.frombuffer(digests, np.uint8).reshape(-1, 32)
+        for op in self.prefetches.values():
+            if op.ns != ns:
+                continue
+            at = op.digests.find(digests[:32])
+            while at >= 0 and at % 32:
+                at = op.digests.find(digests[:32], at + 1)
+            if at < 0:
+                continue
+            have = np.frombuffer(op.digests, np.uint8, offset=at).reshape(-1, 32)
+            n = min(len(have), len(want))
+            diff = np.flatnonzero((have[:n] != want[:n]).any(axis=1))
+            run = int(diff[0]) if diff.size else n
+            if run > most:
+                best, most = op, run
+        return best, most
 
     async def _prefetch(self, op: Prefetch, threshold: int) -> None:
         try:
+            if op.after is not None:
+                await op.after.done.wait()
+                if not self._replan(op):
+                    op.outcome = "completed"  # another fetch (or an insert) brought every page meanwhile
+                    return
+                threshold = self.page  # the request as a whole passed the threshold
             op.outcome = await self._fetch(op, threshold)
         except StoreError:
             op.outcome = "error"
@@ -232,6 +286,19 @@ class StorageTier:
             op.done.set()
             if self.on_change is not None:
                 self.on_change()
+
+    def _replan(self, op: Prefetch) -> bool:
+        """A continuing fetch, once the one it continues ended: what is still missing; False if nothing."""
+        tokens = op.request
+        m = self.tree.match_prefix(tokens, op.ns)
+        start = m.matched_len + m.host_hit_len
+        if start >= tokens.size:
+            return False
+        anchor, op.tokens, op.digests = self._plan(op.ns, tokens, start, tokens.size, m.best_node_id)
+        receipt = self.tree.lock(anchor)
+        self.tree.unlock(op.receipt)
+        op.anchor, op.receipt = anchor, receipt
+        return True
 
     async def _fetch(self, op: Prefetch, threshold: int) -> str:
         keys = self.keys(op.ns, op.digests)
@@ -272,7 +339,7 @@ class StorageTier:
         self.hit_tokens += op.loaded
         if r.dropped.size:
             return "dropped"
-        return "completed" if got * self.page == op.length else "truncated"
+        return "completed" if got * self.page == op.tokens.size else "truncated"
 
     async def wait(self, ops: list[Prefetch], policy: Optional[str] = None) -> None:
         """Hold a match as the prefetch policy says: not at all, until done (capped), or until the timeout."""

@@ -66,6 +66,11 @@ class TransferEngine:
             self._copiers[key] = c
         return c
 
+    def prepare(self, a: KVPool, b: KVPool) -> None:
+        """Build the copiers both ways at start: the first copy must not import or set up on the event loop."""
+        self._copier(a, b)
+        self._copier(b, a)
+
     def submit(self, direction: str, src: KVPool, src_slots: np.ndarray, dst: KVPool, dst_slots: np.ndarray,
                on_done: Callable[[Transfer], None], owner: str = "", ipc: bool = False) -> Transfer:
         """Queue a copy of whole pages; never blocks. on_done always runs, once, on the event loop.

@@ -12,6 +12,30 @@ if TYPE_CHECKING:
     from .tree import RadixTree
 
 
+def _host_pins(tree: "RadixTree") -> dict[int, int]:
+    """Host locks a receipt or a load-back anchors on each node (backups lock their own nodes only)."""
+    pins: dict[int, int] = {}
+    anchors = [h for _, h in tree._receipts.values() if h is not None] + [lo.node for lo in tree._loads.values()]
+    for nd in anchors:
+        pins[nd.id] = pins.get(nd.id, 0) + 1
+    return pins
+
+
+def _host_freeable(tree: "RadixTree", order: list) -> set:
+    """The nodes whose host copy an unbounded evict_host would free: write-back copies it may reclaim, then
+    host-only leaves repeatedly (a host-only node goes once nothing below it stays)."""
+    out = set()
+    for node in reversed(order):  # children before parents
+        if node.parent is None or node.host_value is None:
+            continue
+        if node.value is not None:
+            if tree.write_back and tree._reclaimable(node):
+                out.add(node)
+        elif node.host_lock_ref == 0 and not node.loading and all(c in out for c in node.children.values()):
+            out.add(node)
+    return out
+
+
 def _expected_locks(tree: "RadixTree") -> tuple[dict[int, int], dict[int, int]]:
     """Device-lock anchors and host-lock counts implied by receipts and transfers."""
     dev: dict[int, int] = {}
@@ -96,6 +120,7 @@ def check_tree(tree: "RadixTree") -> list[str]:
     through = tree.host and not tree.write_back
     seen: dict[int, Node] = {}
     own_dev, own_host = _expected_locks(tree)
+    own_pins = _host_pins(tree)
     evictable = protected = h_evictable = h_protected = 0
     leaves, hleaves = set(), set()
     values, hvalues = [], []
@@ -121,11 +146,17 @@ def check_tree(tree: "RadixTree") -> list[str]:
                     bad.append(f"node {child.id:#x} has namespace {child.ns}, expected {ns}")
                 stack.append(child)
         expect_ref: dict[int, int] = {}
+        expect_pin: dict[int, int] = {}
+        freeable = _host_freeable(tree, order)
         for node in reversed(order):  # children before parents
             ref = own_dev.get(node.id, 0) + sum(expect_ref[c.id] for c in node.children.values())
             expect_ref[node.id] = ref
             if node.lock_ref != ref:
                 bad.append(f"node {node.id:#x} lock_ref {node.lock_ref}, recomputed {ref}")
+            pin = own_pins.get(node.id, 0) + sum(expect_pin[c.id] for c in node.children.values())
+            expect_pin[node.id] = pin
+            if node.parent is not None and node.hpin != pin:
+                bad.append(f"node {node.id:#x} hpin {node.hpin}, recomputed {pin}")
             if node.host_lock_ref != own_host.get(node.id, 0):
                 bad.append(f"node {node.id:#x} host_lock_ref {node.host_lock_ref}, "
                            f"recomputed {own_host.get(node.id, 0)}")
@@ -141,10 +172,10 @@ def check_tree(tree: "RadixTree") -> list[str]:
                     evictable += npos
             if node.host_value is not None:
                 hvalues.append(node.host_value)
-                if node.host_lock_ref:
-                    h_protected += npos
-                else:
+                if node in freeable:
                     h_evictable += npos
+                else:
+                    h_protected += npos
             if tree._is_leaf(node):
                 leaves.add(node)
             if tree._is_hleaf(node):

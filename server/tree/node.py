@@ -14,6 +14,7 @@ class Node:
     __slots__ = (
         "id", "parent", "children", "key", "value", "host_value", "lock_ref", "host_lock_ref",
         "last_access", "created", "hit_count", "priority", "dver", "hver", "ns", "pending", "loading", "hashes",
+        "hpin", "hstate",
     )
 
     def __init__(self, node_id: int, parent: Optional["Node"], key: bytes, value: Optional[bytes],
@@ -36,6 +37,8 @@ class Node:
         self.pending = 0  # ack id of the device->host backup covering this node (0: none)
         self.loading = 0  # id of the load-back that will make this node device-resident (0: none)
         self.hashes: Optional[tuple] = None  # lazy page digests (a hashes.Span), made when events or L3 need them
+        self.hpin = 0  # host locks (receipts, load-backs) anchored at or below this node
+        self.hstate = 0  # where its host tokens count: 0 nowhere, 1 host-evictable, 2 host-protected
 
     @property
     def num_tokens(self) -> int:

@@ -41,6 +41,7 @@ class TransferMixin:
     def _start_backup(self, node: Node, write_back: bool) -> BackupAction:
         ack = self._mint()
         node.pending = ack
+        self._hfix(node)
         self._dlock(node)
         self._backups[ack] = BackupOp(node, write_back)
         return BackupAction(ack, (node.id,), np.frombuffer(node.value, dtype="<i4"), write_back)
@@ -92,7 +93,7 @@ class TransferMixin:
         del self._backups[ack]
         for nd in op.nodes:
             nd.pending = 0
-            self._hunlock(nd)
+            self._bunlock(nd)
             if self._ev is not None:
                 self._stored(nd, CPU)  # the backup is acknowledged: the pages are on host now
         self._dunlock(op.nodes[-1])
@@ -137,6 +138,7 @@ class TransferMixin:
                 host.append(nd.host_value)
                 self._set_host(nd, None)
                 nd.host_lock_ref -= 1
+            self._hfix(nd)
         self._dunlock(op.nodes[-1])
         dev = _EMPTY
         if op.write_back:  # eviction wanted these slots: drop the unbacked subtree if nothing pins it (R1.23)
@@ -196,6 +198,7 @@ class TransferMixin:
         size = len(value) >> 2
         self._drop_leaf(node)
         node.value = None
+        self._hfix(node)
         self.evictable_size -= size
         self.counters.evicted_tokens_device += size
         self.counters.demoted_tokens += size
@@ -298,6 +301,7 @@ class TransferMixin:
             nd.value = vb[off:off + size]
             off += size
             nd.loading = 0
+            self._hfix(nd)
             self.evictable_size += size >> 2
             self._drop_hleaf(nd)
             if self._ev is not None:
@@ -318,6 +322,7 @@ class TransferMixin:
         del self._loads[op]
         for nd in self._segment(op, lo):
             nd.loading = 0
+            self._hfix(nd)
         self._dunlock(lo.dev)
         self._hunlock(lo.node)
         return lo.slots if lo.slots is not None else _EMPTY

@@ -364,37 +364,62 @@ class RadixTree(TransferMixin, StorageMixin):
             self._prune_root(walker)
 
     def _hlock(self, node: Node) -> None:
+        """Host-lock a node; every node above it is pinned (an unbounded evict_host cannot reach them)."""
         if node.host_lock_ref == 0:
-            size = len(node.host_value) >> 2
-            self.host_evictable_size -= size
-            self.host_protected_size += size
             self._drop_hleaf(node)
         node.host_lock_ref += 1
+        self._pin(node, 1)
 
     def _hunlock(self, node: Node) -> None:
         node.host_lock_ref -= 1
+        self._pin(node, -1)
         if node.host_lock_ref == 0:
-            if node.host_value is not None:
-                size = len(node.host_value) >> 2
-                self.host_protected_size -= size
-                self.host_evictable_size += size
             self._sync(node)
+
+    def _bunlock(self, node: Node) -> None:
+        """Release a backup's own host lock (taken on the node only, while its host slots are written)."""
+        node.host_lock_ref -= 1
+        if node.host_lock_ref == 0:
+            self._sync(node)
+        self._hfix(node)
+
+    def _pin(self, node: Node, step: int) -> None:
+        walker = node
+        while walker.parent is not None:
+            walker.hpin += step
+            self._hfix(walker)
+            walker = walker.parent
+
+    def _hfix(self, node: Node) -> None:
+        """Recount a node's host tokens as evictable (an unbounded evict_host would free them) or protected."""
+        if node.host_value is None:
+            state = 0
+        elif node.value is None:
+            state = 2 if node.hpin or node.host_lock_ref or node.loading else 1
+        else:
+            state = 1 if self.write_back and self._reclaimable(node) else 2
+        if state != node.hstate:
+            size = len(node.host_value) >> 2  # not None: _set_host uncounts a node before changing it
+            if node.hstate == 1:
+                self.host_evictable_size -= size
+            elif node.hstate == 2:
+                self.host_protected_size -= size
+            if state == 1:
+                self.host_evictable_size += size
+            elif state == 2:
+                self.host_protected_size += size
+            node.hstate = state
 
     def _set_host(self, node: Node, host: Optional[bytes]) -> None:
         """Replace a node's host value, keeping the host counters exact."""
-        if node.host_value is not None:
-            size = len(node.host_value) >> 2
-            if node.host_lock_ref:
-                self.host_protected_size -= size
+        if node.hstate:
+            if node.hstate == 1:
+                self.host_evictable_size -= len(node.host_value) >> 2
             else:
-                self.host_evictable_size -= size
+                self.host_protected_size -= len(node.host_value) >> 2
+            node.hstate = 0
         node.host_value = host
-        if host is not None:
-            size = len(host) >> 2
-            if node.host_lock_ref:
-                self.host_protected_size += size
-            else:
-                self.host_evictable_size += size
+        self._hfix(node)
 
     def _node(self, node_id: int) -> Node:
         if node_id & ~_SERIAL_MASK != self._tag:
@@ -418,6 +443,7 @@ class RadixTree(TransferMixin, StorageMixin):
         upper.created = child.created
         upper.hit_count = child.hit_count
         upper.lock_ref = child.lock_ref
+        upper.hpin = child.hpin  # every host lock below child is below upper too
         if child.value is not None:
             child.value = child.value[pos4:]
         if child.host_value is not None:
@@ -432,6 +458,7 @@ class RadixTree(TransferMixin, StorageMixin):
             nodes = self._backups[child.pending].nodes
             nodes.insert(nodes.index(child), upper)
         upper.loading = child.loading
+        self._hfix(upper)
         if child.hashes is not None:
             upper.hashes, child.hashes = _hashes.span_split(child.hashes, m // self._page_b)
         if child in self._coexist:
@@ -608,6 +635,7 @@ class RadixTree(TransferMixin, StorageMixin):
             self._drop_leaf(node.parent)
         if self.write_back:
             self._coexist.add(node)
+        self._hfix(node)
         self._add_leaf(node)  # no device child yet; a deeper unevict or leaf drops it again
         if self._ev is not None:
             self._stored(node, GPU)
