@@ -35,8 +35,9 @@ def event_dicts(batch: pb.EventBatch) -> list[dict]:
             s = ev.stored
             out.append(dict(type="BlockStored", block_hashes=list(s.block_hashes),
                             parent_block_hash=s.parent_block_hash if s.HasField("parent_block_hash") else None,
-                            token_ids=list(s.token_ids), block_size=s.block_size, medium=s.medium,
-                            cache_salt=s.cache_salt or None))
+                            token_ids=list(zip(s.token_ids[::2], s.token_ids[1::2])) if s.bigram
+                            else list(s.token_ids), block_size=s.block_size, medium=s.medium,
+                            lora_name=s.lora_name or None, cache_salt=s.cache_salt or None))
         elif kind == "removed":
             out.append(dict(type="BlockRemoved", block_hashes=list(ev.removed.block_hashes), medium=ev.removed.medium))
         else:

@@ -541,20 +541,24 @@ class WatchEventsRequest(_message.Message):
     def __init__(self, from_seq: _Optional[int] = ..., follow: _Optional[bool] = ...) -> None: ...
 
 class BlockStoredEvent(_message.Message):
-    __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "medium", "cache_salt")
+    __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "medium", "cache_salt", "lora_name", "bigram")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MEDIUM_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    BIGRAM_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[int]
     parent_block_hash: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     block_size: int
     medium: str
     cache_salt: str
-    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., parent_block_hash: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., medium: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    lora_name: str
+    bigram: bool
+    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., parent_block_hash: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., medium: _Optional[str] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., bigram: _Optional[bool] = ...) -> None: ...
 
 class BlockRemovedEvent(_message.Message):
     __slots__ = ("block_hashes", "medium")

@@ -206,6 +206,7 @@ typedef struct {
     int has_parent; Py_ssize_t psrc, plo; const unsigned char *pres; int64_t parent;
     const char *medium; Py_ssize_t mlen;
     const char *salt; Py_ssize_t slen;  /* salt NULL: none */
+    const char *lora; Py_ssize_t llen;  /* lora NULL: the base model */
 } Ev;
 
 /* Raw allocators throughout: segments are appended while the GIL is released too. -1: out of memory. */
@@ -258,7 +259,9 @@ static void encode_events(Ctx *c, Ev *evs, Py_ssize_t n, double ts, Py_ssize_t p
         if (tail && e->kind == 0 && tail->kind == 0 && tail->nd && e->has_parent &&
                 tail->mlen == e->mlen && !memcmp(tail->medium, e->medium, e->mlen) &&
                 (tail->salt == NULL) == (e->salt == NULL) &&
-                (e->salt == NULL || (tail->slen == e->slen && !memcmp(tail->salt, e->salt, e->slen)))) {
+                (e->salt == NULL || (tail->slen == e->slen && !memcmp(tail->salt, e->salt, e->slen))) &&
+                (tail->lora == NULL) == (e->lora == NULL) &&
+                (e->lora == NULL || (tail->llen == e->llen && !memcmp(tail->lora, e->lora, e->llen)))) {
             Seg last = tail->d[tail->nd - 1];
             if (last.n > 0 && block_hash(last.p + (last.n - 1) * DIG) == e->parent) {
                 e->kind = -1;  /* merged into the tail below */
@@ -302,7 +305,7 @@ static void encode_events(Ctx *c, Ev *evs, Py_ssize_t n, double ts, Py_ssize_t p
         if (e->kind == 1) {
             mp_map(b, 3); mp_cstr(b, "type"); mp_cstr(b, "BlockRemoved");
         } else {
-            mp_map(b, e->salt ? 8 : 7); mp_cstr(b, "type"); mp_cstr(b, "BlockStored");
+            mp_map(b, e->salt ? 9 : 8); mp_cstr(b, "type"); mp_cstr(b, "BlockStored");
         }
         mp_cstr(b, "block_hashes");
         mp_array(b, (size_t)pages);
@@ -320,7 +323,13 @@ static void encode_events(Ctx *c, Ev *evs, Py_ssize_t n, double ts, Py_ssize_t p
                 for (Py_ssize_t q = 0; q < e->t[k].n; q++) {
                     if (key_isz == 8) {
                         int64_t v; memcpy(&v, p + q * 8, 8);
-                        mp_int(b, bigram ? (v >> 32) : v);
+                        if (bigram) {  /* a pair, as SGLang publishes bigram atoms: [first, second] */
+                            mp_array(b, 2);
+                            mp_int(b, v >> 32);
+                            mp_int(b, (int32_t)(uint32_t)v);
+                        } else {
+                            mp_int(b, v);
+                        }
                     } else {
                         int32_t v; memcpy(&v, p + q * 4, 4);
                         mp_int(b, v);
@@ -331,6 +340,10 @@ static void encode_events(Ctx *c, Ev *evs, Py_ssize_t n, double ts, Py_ssize_t p
             mp_cstr(b, "lora_id"); b_u8(b, 0xc0);
         }
         mp_cstr(b, "medium"); mp_str(b, e->medium, (size_t)e->mlen);
+        if (e->kind == 0) {  /* always written: vLLM 0.32's decoder has no default for it */
+            mp_cstr(b, "lora_name");
+            if (e->lora) mp_str(b, e->lora, (size_t)e->llen); else b_u8(b, 0xc0);
+        }
         if (e->kind == 0 && e->salt) { mp_cstr(b, "cache_salt"); mp_str(b, e->salt, (size_t)e->slen); }
     }
     b_u8(b, 0xc0);  /* data_parallel_rank: none */
@@ -360,7 +373,7 @@ static PyObject *encode_batch(PyObject *Py_UNUSED(self), PyObject *args) {
         long kind = PyLong_AsLong(PyTuple_GET_ITEM(rec, 0));
         e->kind = (int)kind;
         const unsigned char *res; Py_ssize_t job, lo, hi;
-        if (kind == 0 && PyTuple_GET_SIZE(rec) == 6) {
+        if (kind == 0 && PyTuple_GET_SIZE(rec) == 7) {
             if (span_of(&c, PyTuple_GET_ITEM(rec, 1), &res, &job, &lo, &hi) < 0) goto done;
             if (ev_seg(e, res, job, lo, hi) < 0) { PyErr_NoMemory(); goto done; }
             PyObject *parent = PyTuple_GET_ITEM(rec, 2);
@@ -382,6 +395,8 @@ static PyObject *encode_batch(PyObject *Py_UNUSED(self), PyObject *args) {
             if (!e->medium) goto done;
             PyObject *salt = PyTuple_GET_ITEM(rec, 5);
             if (salt != Py_None && !(e->salt = PyUnicode_AsUTF8AndSize(salt, &e->slen))) goto done;
+            PyObject *lora = PyTuple_GET_ITEM(rec, 6);
+            if (lora != Py_None && !(e->lora = PyUnicode_AsUTF8AndSize(lora, &e->llen))) goto done;
         } else if (kind == 1 && PyTuple_GET_SIZE(rec) == 3) {
             PyObject *spans = PyTuple_GET_ITEM(rec, 1);
             if (!PyList_Check(spans)) { PyErr_SetString(PyExc_TypeError, "bad removed spans"); goto done; }

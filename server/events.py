@@ -6,7 +6,9 @@ ZMQ wire format (what vLLM 0.32 and SGLang 0.5.23 publish, so their routers foll
 * payload = msgpack of the batch as a positional array [ts: float, events: list] (a data-parallel rank
   would be a third element; radixd has none, and like vLLM omits the default);
 * each event a map tagged by "type": BlockStored {block_hashes, parent_block_hash, token_ids, block_size,
-  lora_id, medium, cache_salt (only when set)}, BlockRemoved {block_hashes, medium}, AllBlocksCleared {}.
+  lora_id, medium, lora_name (always: vLLM 0.32's decoder requires it; the adapter, i.e. the namespace's
+  extra_key, or nil), cache_salt (only when set)}, BlockRemoved {block_hashes, medium}, AllBlocksCleared {}.
+  With bigram (EAGLE) keys each token id is a [first, second] pair, as SGLang publishes them.
 * Replay: a ROUTER socket; a DEALER sends [b"", start seq (8-byte big-endian)] and gets every buffered
   batch with seq >= start as [b"", topic, seq, payload], then [b"", b"", -1 (8-byte signed), b""].
 The cache never waits for a consumer: PUB drops for slow subscribers, a slow gRPC watcher is told it lost
@@ -53,6 +55,7 @@ def _msgspec_types():
         block_size: int
         lora_id: Optional[int]
         medium: Optional[str]
+        lora_name: Optional[str]  # no default: always written (vLLM's decoder requires the field)
         cache_salt: Optional[str] = None
 
     class _Removed(msgspec.Struct, tag="BlockRemoved", omit_defaults=True, gc=False):
@@ -74,8 +77,11 @@ def to_proto(seq: int, ts: float, events: list[Event]) -> pb.EventBatch:
     out = []
     for ev in events:
         if isinstance(ev, BlockStored):
-            msg = pb.BlockStoredEvent(block_hashes=ev.block_hashes, token_ids=ev.token_ids, block_size=ev.block_size,
-                                      medium=ev.medium, cache_salt=ev.cache_salt or "")
+            pairs = bool(ev.token_ids) and isinstance(ev.token_ids[0], tuple)
+            ids = [t for pair in ev.token_ids for t in pair] if pairs else ev.token_ids
+            msg = pb.BlockStoredEvent(block_hashes=ev.block_hashes, token_ids=ids, block_size=ev.block_size,
+                                      medium=ev.medium, cache_salt=ev.cache_salt or "", lora_name=ev.lora_name or "",
+                                      bigram=pairs)
             if ev.parent_block_hash is not None:
                 msg.parent_block_hash = ev.parent_block_hash
             out.append(pb.KvEvent(stored=msg))
@@ -84,6 +90,26 @@ def to_proto(seq: int, ts: float, events: list[Event]) -> pb.EventBatch:
         else:
             out.append(pb.KvEvent(cleared=pb.AllBlocksClearedEvent()))
     return pb.EventBatch(seq=seq, ts=ts, events=out)
+
+
+@functools.lru_cache(maxsize=1)
+def _types():
+    return _msgspec_types()
+
+
+def python_payload(ts: float, events: list[Event]) -> bytes:
+    """The batch's msgpack bytes through msgspec (the native encoder writes the same bytes)."""
+    enc, stored, removed, cleared, batch = _types()
+    out = []
+    for ev in events:
+        if isinstance(ev, BlockStored):
+            out.append(stored(ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size, None, ev.medium,
+                              ev.lora_name, ev.cache_salt))
+        elif isinstance(ev, BlockRemoved):
+            out.append(removed(ev.block_hashes, ev.medium))
+        else:
+            out.append(cleared())
+    return enc.encode(batch(ts, out))
 
 
 def native_payload(raw: RawEvents, ts: float) -> Optional[bytes]:
@@ -148,8 +174,7 @@ class EventHub:
         self._last: Optional[asyncio.Future] = None
         if endpoint or replay_endpoint:
             import zmq
-            enc, self._Stored, self._Removed, self._Cleared, self._Batch = _msgspec_types()
-            self._encode = enc.encode
+            self._encode = python_payload
             self._ctx = zmq.Context.instance()
             if endpoint:
                 self._pub = self._ctx.socket(zmq.PUB)
@@ -160,18 +185,6 @@ class EventHub:
                     self._pub.close(0)
                     raise ValueError(f"--kv-events-endpoint {endpoint}: cannot bind ({e})") from None
             self._replay_endpoint = replay_endpoint
-
-    def _payload(self, ts: float, events: list[Event]) -> bytes:
-        out = []
-        for ev in events:
-            if isinstance(ev, BlockStored):
-                out.append(self._Stored(ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size, None,
-                                        ev.medium, ev.cache_salt))
-            elif isinstance(ev, BlockRemoved):
-                out.append(self._Removed(ev.block_hashes, ev.medium))
-            else:
-                out.append(self._Cleared())
-        return self._encode(self._Batch(ts, out))
 
     def flush(self) -> None:
         """Take what the tree recorded since the last flush (cheap) and have it published as one batch."""
@@ -195,7 +208,7 @@ class EventHub:
             batch = Batch(seq, ts, raw, None, payload if self._encode else None)
         else:
             events = raw.materialize()
-            batch = Batch(seq, ts, None, events, self._payload(ts, events) if self._encode else None)
+            batch = Batch(seq, ts, None, events, python_payload(ts, events) if self._encode else None)
         return batch, to_proto(seq, ts, batch.events) if proto else None
 
     def _publish(self, seq: int, ts: float, fut: asyncio.Future) -> None:

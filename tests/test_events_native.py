@@ -13,11 +13,7 @@ from radixd.server.tree.events import BlockRemoved, BlockStored
 
 
 def _python_payload(ts: float, evs) -> bytes:
-    enc, stored, removed, cleared, batch = hub._msgspec_types()
-    out = [stored(e.block_hashes, e.parent_block_hash, e.token_ids, e.block_size, None, e.medium, e.cache_salt)
-           if isinstance(e, BlockStored) else removed(e.block_hashes, e.medium) if isinstance(e, BlockRemoved)
-           else cleared() for e in evs]
-    return enc.encode(batch(ts, out))
+    return hub.python_payload(ts, evs)
 
 
 @pytest.fixture(autouse=True)

@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 import urllib.request
-from typing import Optional
+from pathlib import Path
 
 import msgspec
 import numpy as np
@@ -14,47 +14,33 @@ import pytest
 import zmq
 
 from radixd.client import CacheClient
-from radixd.client.events import BlockIndex, decode_zmq_payload, event_dicts, replay_zmq, watch
+from radixd.client.events import (BlockIndex, decode_zmq_payload, event_dicts, replay_zmq, token_block_hashes,
+                                  watch)
 
-from .conftest import ServerProc
+from .conftest import ServerProc, venv_python
 
 PAGE = 4
 
 
-# The consumer side, declared as vLLM 0.32 declares it, independently of radixd's encoder.
-class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
-    pass
+DECODE = Path(__file__).resolve().parent / "engine_events_decode.py"
+ENGINES = {"vllm": venv_python("RADIXD_VLLM_PYTHON", ".venv-vllm"),
+           "sglang": venv_python("RADIXD_SGLANG_PYTHON", ".venv-sglang")}
+ADAPTER = "adapter-1"
 
 
-class BlockStored(KVCacheEvent):
-    block_hashes: list[int]
-    parent_block_hash: Optional[int]
-    token_ids: list[int]
-    block_size: int
-    lora_id: Optional[int]
-    medium: Optional[str]
-    lora_name: Optional[str] = None
-    extra_keys: Optional[list] = None
-    group_idx: Optional[int] = None
-
-
-class BlockRemoved(KVCacheEvent):
-    block_hashes: list[int]
-    medium: Optional[str]
-    group_idx: Optional[int] = None
-
-
-class AllBlocksCleared(KVCacheEvent):
-    pass
-
-
-class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-    data_parallel_rank: Optional[int] = None
-
-
-VLLM_DECODER = msgspec.msgpack.Decoder(type=KVEventBatch)
+def decoded_by_engine(engine: str, payloads: list[bytes], tmp: Path) -> dict:
+    """What the engine's own `KVEventBatch` decoder makes of these payloads (in its venv)."""
+    py = ENGINES[engine]
+    if py is None:
+        if os.environ.get("CI"):
+            raise AssertionError(f"CI must decode with {engine}'s own classes, and its venv is missing")
+        pytest.skip(f"no {engine} venv (.ci/run builds it)")
+    path = tmp / f"payloads-{engine}.msgpack"
+    path.write_bytes(msgspec.msgpack.encode(payloads))
+    r = subprocess.run([py, str(DECODE), engine, str(path)], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": ""})
+    assert r.returncode == 0, r.stderr[-4000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 def _zmq_replay(endpoint: str, start: int) -> list[tuple[int, bytes]]:
@@ -75,15 +61,15 @@ def _zmq_replay(endpoint: str, start: int) -> list[tuple[int, bytes]]:
     return out
 
 
-def _workload(c: CacheClient, rng: np.random.Generator) -> list[tuple[np.ndarray, str]]:
-    prompts = [(rng.integers(0, 50, int(rng.integers(2, 10)) * PAGE, dtype=np.int32), salt)
-               for salt in ("", "", "tenant-a") for _ in range(4)]
+def _workload(c: CacheClient, rng: np.random.Generator) -> list[tuple[np.ndarray, str, str]]:
+    prompts = [(rng.integers(0, 50, int(rng.integers(2, 10)) * PAGE, dtype=np.int32), salt, lora)
+               for salt, lora in (("", ""), ("", ""), ("tenant-a", ""), ("", ADAPTER)) for _ in range(4)]
     for step in range(300):
-        toks, salt = prompts[int(rng.integers(len(prompts)))]
+        toks, salt, lora = prompts[int(rng.integers(len(prompts)))]
         toks = np.concatenate([toks[:int(rng.integers(1, len(toks) + 1))], rng.integers(0, 50, 3, dtype=np.int32)])
         op = int(rng.integers(6))
         if op <= 1:
-            m = c.match_prefix(toks, lock=True, cache_salt=salt)
+            m = c.match_prefix(toks, lock=True, cache_salt=salt, extra_key=lora)
             prefix, receipt = m.indices, m.receipt_id
             if m.host_hit_len:
                 lb = c.load_back(receipt)
@@ -96,14 +82,14 @@ def _workload(c: CacheClient, rng: np.random.Generator) -> list[tuple[np.ndarray
                 c.free(new[need:])
                 new = new[:need]
             ins = c.cache_finished([dict(tokens=toks, indices=np.concatenate([prefix, new]), cache_salt=salt,
-                                         prev_prefix_len=len(prefix), receipt_id=receipt)])[0]
+                                         extra_key=lora, prev_prefix_len=len(prefix), receipt_id=receipt)])[0]
             c.wait_transfers(ins.backup_transfer_ids)
         elif op == 2:
             c.evict(int(rng.integers(1, 40)))
         elif op == 3:
             c.evict_host(int(rng.integers(1, 40)))
         else:
-            c.match_prefix(toks, cache_salt=salt)
+            c.match_prefix(toks, cache_salt=salt, extra_key=lora)
     return prompts
 
 
@@ -118,7 +104,9 @@ def events_server(tmp_path):
     s.stop()
 
 
-def test_events_over_grpc_and_zmq_rebuild_the_cache(events_server):
+def test_events_over_grpc_and_zmq_rebuild_the_cache(events_server, tmp_path):
+    """Every batch, over gRPC, the PUB stream and the replay, rebuilds what the cache holds; vLLM's and
+    SGLang's own decoders (their real classes, in their venvs) accept every batch and agree."""
     srv = events_server
     ctx = zmq.Context.instance()
     sub = ctx.socket(zmq.SUB)
@@ -142,13 +130,12 @@ def test_events_over_grpc_and_zmq_rebuild_the_cache(events_server):
             live.append((int.from_bytes(seq, "big"), payload))
         assert live and live == replayed[-len(live):]  # the PUB stream is the replay's tail, byte for byte
 
-        by_grpc, by_zmq, by_vllm, mid = (BlockIndex(PAGE) for _ in range(4))
+        by_grpc, by_zmq, mid = (BlockIndex(PAGE) for _ in range(3))
         for b in grpc_batches:
             by_grpc.apply("n", event_dicts(b))
         for seq, payload in replayed:
             by_zmq.apply("n", decode_zmq_payload(payload)[1])
-            batch = VLLM_DECODER.decode(payload)  # vLLM's own struct declarations decode every batch
-            by_vllm.apply("n", [dict(type=type(e).__name__, **msgspec.structs.asdict(e)) for e in batch.events])
+        engines = {e: decoded_by_engine(e, [p for _, p in replayed], tmp_path) for e in ENGINES}
         k = len(grpc_batches) // 2
         for b in grpc_batches[:k]:
             mid.apply("n", event_dicts(b))
@@ -156,12 +143,21 @@ def test_events_over_grpc_and_zmq_rebuild_the_cache(events_server):
             mid.apply("n", event_dicts(b))
         for medium in ("GPU", "CPU_PINNED"):
             want = by_grpc.blocks("n", medium)
-            assert by_zmq.blocks("n", medium) == want == by_vllm.blocks("n", medium) == mid.blocks("n", medium)
+            assert by_zmq.blocks("n", medium) == want == mid.blocks("n", medium)
+            for name, got in engines.items():
+                assert {int(h): n for h, n in got["blocks"].get(medium, {}).items()} == dict(+want), name
         assert sum(by_grpc.blocks("n", "CPU_PINNED").values()) > 0
-        for toks, salt in prompts:  # the index answers what the cache itself answers
-            m = c.match_prefix(toks, cache_salt=salt)
+        adapters = 0
+        for toks, salt, lora in prompts:  # the index answers what the cache itself answers
+            m = c.match_prefix(toks, cache_salt=salt, extra_key=lora)
             got = by_grpc.match(toks, cache_salt=salt)["n"]
             assert got == {"GPU": m.matched_len // PAGE, "any": (m.matched_len + m.host_hit_len) // PAGE}
+            if m.matched_len + m.host_hit_len:  # each block says which adapter it belongs to
+                first = str(token_block_hashes(toks, PAGE, salt)[0])
+                for name, dec in engines.items():
+                    assert dec["lora"][first] == (lora or None), (name, lora)
+                adapters += bool(lora)
+        assert adapters, "no adapter prompt stayed cached: the lora_name check ran on nothing"
         assert c.check() == []
         out = subprocess.run([sys.executable, "-m", "radixd.server.cli", "events", "--target", srv.target,
                               "--from", "0"], capture_output=True, text=True, timeout=60)
@@ -237,3 +233,17 @@ def test_watch_events_off_is_a_clear_error(server):
     with pytest.raises(grpc.RpcError) as e:
         list(watch(server.target, 0, follow=False))
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "--kv-events" in e.value.details()
+
+
+def test_events_equal_sglang_publishers_on_the_same_operations():
+    """SGLang's own RadixCache publisher and radixd's, one seeded sequence of inserts and evictions, page
+    sizes 1 and 4, plain and bigram (EAGLE) keys: the same events, byte-level fields and hashes included."""
+    py = ENGINES["sglang"]
+    if py is None:
+        if os.environ.get("CI"):
+            raise AssertionError("CI must compare with SGLang's own publisher, and its venv is missing")
+        pytest.skip("no SGLang venv (.ci/run builds it)")
+    check = Path(__file__).resolve().parent / "sglang_events_check.py"
+    r = subprocess.run([py, str(check)], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "PYTHONPATH": ""})
+    assert r.returncode == 0 and "ok events_match_sglang" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]

@@ -27,6 +27,7 @@ class BlockStored:
     block_size: int
     medium: str
     cache_salt: Optional[str] = None
+    lora_name: Optional[str] = None  # the adapter: the namespace's extra_key (the hash chain ignores it)
 
 
 @dataclass(slots=True)
@@ -45,7 +46,7 @@ class AllBlocksCleared:
 Event = Union[BlockStored, BlockRemoved, AllBlocksCleared]
 
 
-STORED, REMOVED, CLEARED = 0, 1, 2  # raw record kinds: (STORED, span, parent span, key, medium, salt),
+STORED, REMOVED, CLEARED = 0, 1, 2  # raw record kinds: (STORED, span, parent span, key, medium, salt, lora),
 # (REMOVED, [span, ...], medium), (CLEARED,)
 
 
@@ -58,7 +59,8 @@ class Coalescer:
     def push(self, ev: Event) -> None:
         tail = self.events[-1] if self.events else None
         if isinstance(ev, BlockStored) and isinstance(tail, BlockStored) and tail.block_hashes and \
-                (tail.medium, tail.block_size, tail.cache_salt) == (ev.medium, ev.block_size, ev.cache_salt) and \
+                (tail.medium, tail.block_size, tail.cache_salt, tail.lora_name) == \
+                (ev.medium, ev.block_size, ev.cache_salt, ev.lora_name) and \
                 ev.parent_block_hash == tail.block_hashes[-1]:
             tail.block_hashes.extend(ev.block_hashes)
             tail.token_ids.extend(ev.token_ids)
@@ -110,13 +112,15 @@ class RawEvents:
         for rec in self.records:
             kind = rec[0]
             if kind == STORED:
-                _, span, parent, key, medium, salt = rec
+                _, span, parent, key, medium, salt, lora = rec
                 hashes = block_hashes(span_digests(span))
                 prev = block_hash(span_last(parent)) if parent is not None else None
                 toks = np.frombuffer(key, self.key_dtype)
-                if self.bigram:
-                    toks = toks >> 32
-                out.push(BlockStored(hashes, prev, toks.tolist(), self.page_size, medium, salt))
+                if self.bigram:  # an atom is a pair, published as SGLang does: [first, second]
+                    ids = list(zip((toks >> 32).tolist(), (toks & 0xFFFFFFFF).astype(np.int32).tolist()))
+                else:
+                    ids = toks.tolist()
+                out.push(BlockStored(hashes, prev, ids, self.page_size, medium, salt, lora))
             elif kind == REMOVED:
                 out.push(BlockRemoved(block_hashes(b"".join([span_digests(sp) for sp in rec[1]])), rec[2]))
             else:

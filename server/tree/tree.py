@@ -175,7 +175,7 @@ class RadixTree(TransferMixin, StorageMixin):
             ps = parent.hashes or self._span(parent)
             if span is None:  # a new leaf, the common case: its span continues its parent's (as _span would)
                 node.hashes = span = _hashes.lazy_span(node.key, self._hfmt, (ps[0], ps[2] - 1))
-        q.records.append((STORED, span, ps, node.key, medium, node.ns[1] or None))
+        q.records.append((STORED, span, ps, node.key, medium, node.ns[1] or None, node.ns[0] or None))
 
     def _removed(self, node: Node, medium: str) -> None:
         recs = self._ev.records
