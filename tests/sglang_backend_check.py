@@ -14,6 +14,7 @@ import os
 import random
 import sys
 import time
+from array import array
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -52,9 +53,9 @@ class Req:
     """The request fields SGLang 0.5.23's RadixCache reads (match, checkpoint, release)."""
 
     rid: str
-    origin_input_ids: list[int]
+    origin_input_ids: array  # array('q'), as SGLang's scheduler keeps token ids
     kv: Kv
-    output_ids: list[int] = field(default_factory=list)
+    output_ids: array = field(default_factory=lambda: array("q"))
     extra_key: Optional[str] = None
     cache_salt: Optional[str] = None
     priority: int = 0
@@ -67,7 +68,7 @@ class Req:
         return CacheRequestHandle(self.rid, 0)
 
     @property
-    def full_untruncated_fill_ids(self) -> list[int]:
+    def full_untruncated_fill_ids(self) -> array:
         return self.origin_input_ids + self.output_ids
 
     def finished(self) -> bool:
@@ -90,11 +91,12 @@ class Engine:
         self._rows = iter(range(1, 8))
 
     def request(self, rid: str, tokens: list[int], **kw) -> Req:
-        return Req(rid, list(tokens), Kv(next(self._rows)), **kw)
+        return Req(rid, array("q", tokens), Kv(next(self._rows)), **kw)
 
     def prefill(self, req: Req, upto: int, finish: bool) -> tuple[int, int]:
         """match (+ init_load_back), compute the rest, checkpoint; returns (device hit, loaded)."""
-        key = RadixKey(req.full_untruncated_fill_ids[:upto], req.extra_key, cache_salt=req.cache_salt)
+        ids = req.full_untruncated_fill_ids  # the scheduler's key: every id, matched up to all but the last
+        key = RadixKey(ids, req.extra_key, limit=min(upto, len(ids) - 1), cache_salt=req.cache_salt)
         m = self.cache.match_prefix(MatchPrefixParams(key=key, req=req))
         node, loaded = m.last_device_node, 0
         if m.host_hit_length:
@@ -130,10 +132,16 @@ class Engine:
             self.alloc.free(tail)
 
     def kv_of(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        node = self.cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens))).last_device_node
+        node = self.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens)))).last_device_node
         idx = self.cache.path_device_indices(node).to(torch.int64)
         return (torch.stack([self.kv.k_buffer[i][idx] for i in range(LAYERS)]),
                 torch.stack([self.kv.v_buffer[i][idx] for i in range(LAYERS)]))
+
+
+def _key(req: Req) -> RadixKey:
+    """The key SGLang's scheduler matches a queued request with (all ids, limited to all but the last)."""
+    ids = req.full_untruncated_fill_ids
+    return RadixKey(ids, req.extra_key, limit=len(ids) - 1, cache_salt=req.cache_salt)
 
 
 def same_kv(a: Engine, b: Engine, tokens: list[int]) -> None:
@@ -184,7 +192,7 @@ def scenario_pages_on_radixd_host_tier_are_loaded_back(c: CacheClient) -> None:
         c.evict(c.stats()["cached_tokens"])
     s = settled(c)
     assert s["cached_tokens"] == 0 and s["host_cached_tokens"] >= 36, s
-    hit, loaded = b.prefill(b.request("h2", prompt), 36, finish=True)
+    hit, loaded = b.prefill(b.request("h2", prompt + [7]), 37, finish=True)  # matched up to all but the last
     assert (hit, loaded) == (0, 36)
     same_kv(a, b, prompt[:36])
     settled(c)
@@ -215,12 +223,12 @@ def scenario_abort_and_unused_markers_release_radixd_locks(c: CacheClient) -> No
     a.prefill(r, 24, finish=True)
     a.release(r)
     rb = b.request("x2", prompt + [3])
-    m = b.cache.match_prefix(MatchPrefixParams(key=RadixKey(rb.full_untruncated_fill_ids), req=rb))
+    m = b.cache.match_prefix(MatchPrefixParams(key=_key(rb), req=rb))
     assert m.host_hit_length == 24 and c.stats()["receipts"] == 1  # locked in radixd while queued
     b.cache.release_aborted_request(rb.cache_request_handle)  # aborted before it was scheduled
     assert c.stats()["receipts"] == 0
-    m = b.cache.match_prefix(MatchPrefixParams(key=RadixKey(rb.full_untruncated_fill_ids), req=rb))
-    b.cache.match_prefix(MatchPrefixParams(key=RadixKey(rb.full_untruncated_fill_ids), req=rb))  # re-asked
+    m = b.cache.match_prefix(MatchPrefixParams(key=_key(rb), req=rb))
+    b.cache.match_prefix(MatchPrefixParams(key=_key(rb), req=rb))  # re-asked
     assert c.stats()["receipts"] == 1
     b.cache.on_release(rb, checkpointed=False)
     settled(c)
@@ -238,7 +246,7 @@ def scenario_same_matches_as_sglang_alone(c: CacheClient) -> None:
         op = rng.random()
         if op < 0.4:
             for e in (mine, plain):
-                key = RadixKey(p).page_aligned(PAGE)
+                key = RadixKey(array("q", p)).page_aligned(PAGE)
                 vals = e.alloc.alloc(len(key)) if len(key) else torch.zeros(0, dtype=torch.int64)
                 if vals is None:
                     e.cache.evict(EvictParams(num_tokens=len(key)))
@@ -246,8 +254,8 @@ def scenario_same_matches_as_sglang_alone(c: CacheClient) -> None:
                 r = e.cache.insert(InsertParams(key=key, value=vals))
                 e.alloc.free(vals[:r.prefix_len])
         elif op < 0.9:
-            req = Req(f"d{step}", p, Kv(1))  # with a request, so the backend asks radixd too
-            lens = [e.cache.match_prefix(MatchPrefixParams(key=RadixKey(p), req=req)).device_prefix_len
+            req = Req(f"d{step}", array("q", p), Kv(1))  # with a request, so the backend asks radixd too
+            lens = [e.cache.match_prefix(MatchPrefixParams(key=_key(req), req=req)).device_prefix_len
                     for e in (mine, plain)]
             mine.cache.on_release(req, checkpointed=False)
             assert lens[0] == lens[1], (step, lens)

@@ -13,6 +13,7 @@ from radixd.client import CacheClient
 from .conftest import ServerProc, venv_python
 
 CHECK = Path(__file__).resolve().parent / "sglang_backend_check.py"
+DIFF = Path(__file__).resolve().parent / "sglang_differential.py"
 
 
 SGL_PY = venv_python("RADIXD_SGLANG_PYTHON", ".venv-sglang")
@@ -49,5 +50,24 @@ def test_wrong_page_size_is_refused_in_plain_words():
         r = subprocess.run([SGL_PY, str(CHECK), srv.target, "two_engines_share_pages_byte_for_byte"],
                            capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": ""})
         assert r.returncode != 0 and "start radixd with --page-size 4" in r.stderr
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("page,seed", [(1, 2), (1, 5), (16, 3)])
+def test_backend_against_sglangs_own_cache_op_by_op(page, seed):
+    """tests/sglang_differential.py: 2,000 seeded scheduler operations on SGLang's RadixCache and on the
+    backend, compared after every one (SGLang's real Req and array('q') keys, its own match, checkpoint and
+    release helpers); radixd's receipts, held and protected slots back to 0 whenever the engine is idle."""
+    srv = ServerProc("--num-slots", str(2048 if page == 1 else 4096), "--page-size", str(page), "--layers", "2",
+                     "--kv-heads", "2", "--head-dim", "8", "--dtype", "float32")  # device only: every lock is
+    # an engine's (a host tier's backups lock briefly on their own; its load-backs have their own scenario)
+    try:
+        r = subprocess.run([SGL_PY, str(DIFF), srv.target, str(page), str(seed), "2000"], capture_output=True,
+                           text=True, timeout=900, env={**os.environ, "PYTHONPATH": ""})
+        assert r.returncode == 0 and f"ok differential {page}" in r.stdout, r.stdout[-3000:] + r.stderr[-5000:]
+        with CacheClient(srv.target, name="after") as c:
+            s = c.stats()
+            assert (s["receipts"], s["held_tokens"], s["protected_tokens"]) == (0, 0, 0) and c.check() == []
     finally:
         srv.stop()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+from array import array
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -39,6 +40,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("radixd.sglang")
 SUPPORTED_SGLANG = "0.5.23"
+
+
+def _ids(tokens: Any) -> np.ndarray:
+    """Token ids as radixd's int32, from SGLang's array('q') without a per-token loop (or from a list)."""
+    if isinstance(tokens, array):
+        return np.frombuffer(tokens, dtype=f"i{tokens.itemsize}").astype(np.int32) if len(tokens) else np.zeros(0, np.int32)
+    return np.asarray(tokens, dtype=np.int32)
 
 
 @dataclass
@@ -121,6 +129,15 @@ class RadixdRadixCache(RadixCache):
             except RadixdError as e:
                 log.warning("radixd unlock failed: %s", e)
 
+    def _attached(self, node: Any) -> bool:
+        """Whether a node is still in the tree (a match's node may be evicted before its load-back)."""
+        while node is not self.root_node:
+            parent = node.parent
+            if parent is None or parent.children.get(node.key.child_key(self.page_size)) is not node:
+                return False
+            node = parent
+        return True
+
     def _drop_marker(self, handle: Any) -> None:
         m = self._markers.pop(handle, None)
         if m is not None:
@@ -184,14 +201,14 @@ class RadixdRadixCache(RadixCache):
         if path is None:
             return base
         hit = len(path) - device_len
-        snap = RadixKey(list(key.raw_token_ids()), key.extra_key, key.is_bigram, cache_salt=key.cache_salt)
+        snap = key[:len(key)]  # a copy of the ids in the scheduler's own type (array('q')): SGLang's tree compares
         self._markers[req.cache_request_handle] = _Marker(receipt, path, snap, device_len)
         node = base.last_device_node
         return base._replace(last_host_node=node, best_match_node=node, host_hit_length=hit)
 
     def _radixd_match(self, key: RadixKey, device_len: int) -> tuple[Optional[np.ndarray], int]:
         """radixd's locked path for the key when it holds more than SGLang's device prefix (lead rank)."""
-        tokens = np.asarray(key.raw_token_ids(), dtype=np.int32)
+        tokens = _ids(key.raw_token_ids())
         try:
             m = self.client.match_prefix(tokens, lock=True, **self._ns(key))
             path, receipt = m.indices, m.receipt_id
@@ -219,11 +236,15 @@ class RadixdRadixCache(RadixCache):
             return 0, last
         try:
             n = params.host_hit_length
-            if n <= 0 or marker.device_len + n > len(marker.path):
-                return 0, last
-            if self.token_to_kv_pool_allocator.available_size() < n:
-                self.evict(EvictParams(num_tokens=n))
-            slots = self.token_to_kv_pool_allocator.alloc(n)
+            if n <= 0 or marker.device_len + n > len(marker.path) or not self._attached(last):
+                return 0, last  # (a node evicted since the match: its prefix is gone, so is the hit)
+            self.inc_lock_ref(last)  # making room must not evict the prefix the pages continue
+            try:
+                if self.token_to_kv_pool_allocator.available_size() < n:
+                    self.evict(EvictParams(num_tokens=n))
+                slots = self.token_to_kv_pool_allocator.alloc(n)
+            finally:
+                self.dec_lock_ref(last)
             if slots is None:
                 return 0, last
             src = torch.from_numpy(marker.path[marker.device_len:marker.device_len + n].copy()).to(self.k[0].device)
@@ -258,7 +279,7 @@ class RadixdRadixCache(RadixCache):
         n = len(indices) - len(indices) % self.page_size
         if n == 0:
             return
-        tokens = np.asarray(list(req.full_untruncated_fill_ids[:n]), dtype=np.int32)
+        tokens = _ids(req.full_untruncated_fill_ids[:n])
         ns = dict(extra_key=req.extra_key or "", cache_salt=req.cache_salt or "")
         plan, item = None, None
         if self.lead:
@@ -306,7 +327,7 @@ class RadixdRadixCache(RadixCache):
             if have >= n:
                 self._unlock(m.receipt_id)
                 return None, None
-            slots = np.asarray(self.client.alloc(n - have), dtype=np.int64)
+            slots = np.array(self.client.alloc(n - have), dtype=np.int64)  # writable: torch takes it as is
         except RadixdError as e:
             log.warning("radixd store skipped: %s", e)
             if m is not None:
