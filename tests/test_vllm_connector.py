@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from radixd.client import CacheClient
-from radixd.vllm.layout import geometry, load_blocks, save_blocks
+from radixd.vllm.layout import geometry, load_blocks, probe_cpu_layout, save_blocks
 
 from .conftest import ServerProc, venv_python
 
@@ -218,13 +218,61 @@ def test_overridden_methods_match_the_pinned_vllm_base_class():
     assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == "ok", r.stdout[-2000:] + r.stderr[-2000:]
 
 
+@needs_vllm
+def test_stored_pages_are_the_models_true_k_and_v(model_dir):
+    """After engine A prefills a prompt, radixd's pages hold the model's true K (after RoPE) and V for every
+    layer, in radixd's [slots, kv_heads, head_dim] layout: transformers' own forward pass over the same
+    weights is the ground truth, and radixd's own client is the reader (tests/vllm_true_kv.py)."""
+    srv = _server(model_dir)
+    try:
+        with CacheClient(srv.target, name="test") as c:
+            _engine(model_dir, [P], srv.target)
+            d = tempfile.mkdtemp(prefix="radixd-truekv-")
+            pj = os.path.join(d, "prompt.json")
+            json.dump(P, open(pj, "w"))
+            r = subprocess.run([VLLM_PY, str(ROOT / "tests" / "vllm_true_kv.py"), model_dir, srv.target, pj, "192"],
+                               capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": ""})
+            assert r.returncode == 0, r.stderr[-4000:]
+            res = json.loads(r.stdout.strip().splitlines()[-1])
+            assert res["ok"] and len(res["layers"]) == LAYERS and res["tokens"] == 192, res
+            _settled(c)
+    finally:
+        srv.stop()
+
+
+@needs_vllm
+def test_every_cpu_kernel_converts_exactly():
+    """vLLM's own reshape_and_cache for each CPU kernel (vec, vec16, AMX) and dtype writes blocks; the probed
+    conversion gives back exactly the K and V the kernel was handed (tests/vllm_layout_check.py)."""
+    r = subprocess.run([VLLM_PY, str(ROOT / "tests" / "vllm_layout_check.py")], capture_output=True, text=True,
+                       timeout=600, env={**os.environ, "PYTHONPATH": ""})
+    assert r.returncode == 0 and "ok layouts 11" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+
+
 # ---------------------------------------------------------------- layout conversions (no vLLM needed)
-@pytest.mark.parametrize("layout", ["cpu", "flash"])
+def _kernel(k_column_major: bool):
+    """A stand-in reshape_and_cache (per block and head: K rows or columns, then V rows), for the probe."""
+    def write(key, value, kc, vc, slots):
+        b = kc.shape[2]
+        for i, s in enumerate(slots.tolist()):
+            blk, t = divmod(s, b)
+            vc[blk, :, t] = value[i]
+            if k_column_major:
+                kc[blk].reshape(kc.shape[1], -1)[:, :].view(kc.shape[1], kc.shape[3], b)[:, :, t] = key[i]
+            else:
+                kc[blk, :, t] = key[i]
+    return write
+
+
+@pytest.mark.parametrize("layout", ["cpu-rows", "cpu-columns", "flash"])
 def test_block_copies_convert_layouts_exactly(layout):
     nb, b, h, d = 6, 4, 2, 3
-    kv = torch.zeros((nb, h, b, 2 * d)) if layout == "cpu" else torch.zeros((2, nb, b, h, d))
+    kv = torch.zeros((nb, h, b, 2 * d)) if layout != "flash" else torch.zeros((2, nb, b, h, d))
     g = geometry(kv, b)
-    assert (g.layout, g.num_blocks, g.kv_heads, g.head_dim) == (layout, nb, h, d)
+    assert (g.layout, g.num_blocks, g.kv_heads, g.head_dim) == (layout.split("-")[0], nb, h, d)
+    if layout != "flash":
+        columns = layout == "cpu-columns"
+        g = probe_cpu_layout(g, _kernel(columns))
     k = torch.arange(40 * h * d, dtype=torch.float32).view(40, h, d)
     v = -k
     pages, blocks = torch.tensor([8, 24]), torch.tensor([5, 1])
@@ -232,9 +280,10 @@ def test_block_copies_convert_layouts_exactly(layout):
     for blk, page in zip(blocks.tolist(), pages.tolist()):
         for t in range(b):  # token t of the block is slot page + t of radixd, K and V per head
             for head in range(h):
-                if layout == "cpu":  # per (block, head), rows viewed as [2b, d]: K rows, then V rows
-                    got_k = kv[blk, head].reshape(2 * b, d)[t]
-                    got_v = kv[blk, head].reshape(2 * b, d)[b + t]
+                if layout != "flash":  # per (block, head), rows viewed as [2b, d]: K, then V rows
+                    slab = kv[blk, head].reshape(2 * b, d)
+                    got_k = slab[:b].reshape(d, b)[:, t] if columns else slab[t]
+                    got_v = slab[b + t]
                 else:
                     got_k, got_v = kv[0, blk, t, head], kv[1, blk, t, head]
                 assert torch.equal(got_k, k[page + t, head]) and torch.equal(got_v, v[page + t, head])
@@ -243,3 +292,17 @@ def test_block_copies_convert_layouts_exactly(layout):
     assert torch.equal(k2[0:4], k[8:12]) and torch.equal(k2[32:36], k[24:28])  # block 5 held page 8, 1 page 24
     assert torch.equal(v2[0:4], v[8:12]) and torch.equal(v2[32:36], v[24:28])
     assert not k2[4:32].any()
+
+
+def test_a_kernel_that_loses_elements_is_refused_in_plain_words():
+    """A block that is not a permutation of K and V (here: every token's K written to one row) is refused."""
+    def lossy(key, value, kc, vc, slots):
+        for i, s in enumerate(slots.tolist()):
+            blk, t = divmod(s, kc.shape[2])
+            kc[blk, :, 0] = key[i]
+            vc[blk, :, t] = value[i]
+    with pytest.raises(ValueError, match="exactly once|exact values"):
+        probe_cpu_layout(geometry(torch.zeros((4, 2, 4, 6)), 4), lossy, "a lossy kernel")
+    with pytest.raises(ValueError, match="probed first"):
+        load_blocks(torch.zeros((4, 2, 4, 6)), geometry(torch.zeros((4, 2, 4, 6)), 4), torch.tensor([0]),
+                    torch.zeros(8, 2, 3), torch.zeros(8, 2, 3), torch.tensor([0]))

@@ -34,7 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 from radixd.client import CacheClient, RadixdError
 from radixd.server.config import DEFAULT_SOCKET
 
-from .layout import Geometry, geometry, load_blocks, save_blocks
+from .layout import Geometry, geometry, load_blocks, probe_cpu_layout, save_blocks
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -100,6 +100,8 @@ class RadixdConnector(KVConnectorBase_V1):
         self.token = extra.get("radixd_token") or os.environ.get("RADIXD_TOKEN")
         self.load_back = str(extra.get("load_back", "true")).lower() not in ("0", "false", "no")
         self.block_size = vllm_config.cache_config.block_size
+        self.cache_dtype = vllm_config.cache_config.cache_dtype
+        self.model_dtype = vllm_config.model_config.dtype
         tp = vllm_config.parallel_config.tensor_parallel_size
         if tp != 1:
             raise ValueError(f"radixd connector: tensor_parallel_size {tp} is not supported yet (use 1)")
@@ -324,6 +326,20 @@ class _Scheduler:
 _LAYER = re.compile(r"(\d+)")
 
 
+def _probe_cpu_kernel(geo: Geometry, conn: RadixdConnector) -> Geometry:
+    """The block layout of the CPU attention kernel this engine runs, learnt from the kernel itself."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    isa = _get_attn_isa(conn.model_dtype, geo.block_size, geo.head_dim, conn.cache_dtype)
+
+    def write(key, value, key_cache, value_cache, slots) -> None:
+        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa, k_scale=1.0, v_scale=1.0,
+                                       kv_cache_dtype=conn.cache_dtype)
+
+    return probe_cpu_layout(geo, write, f"vLLM's CPU attention kernel '{isa}' (kv cache dtype {conn.cache_dtype})")
+
+
 class _Worker:
     """Maps radixd's device pool and copies pages between it and vLLM's blocks."""
 
@@ -340,6 +356,8 @@ class _Worker:
         names = sorted(kv_caches, key=lambda n: [int(x) for x in _LAYER.findall(n)] or [0])
         self.layers = [kv_caches[n] for n in names]
         self.geo = geometry(self.layers[0], self.conn.block_size)
+        if self.geo.layout == "cpu":
+            self.geo = _probe_cpu_kernel(self.geo, self.conn)
         client = CacheClient(self.conn.target, token=self.conn.token, attach=False)
         try:
             self.pools = client.map_pools(self.layers[0].device)

@@ -1,22 +1,28 @@
 """Whole-page copies between vLLM's paged KV blocks and radixd's `k_buffer` / `v_buffer` (no vLLM import).
 
-vLLM block layouts handled (one tensor per layer):
-  cpu    [num_blocks, kv_heads, block_size, 2 * head_dim]: per (block, head), rows viewed as
-         [2 * block_size, head_dim] hold K in the first block_size rows and V in the rest;
-  flash  [2, num_blocks, block_size, kv_heads, head_dim] (FlashAttention on GPU; index 0 is K).
 radixd keeps one buffer per layer and kind: [slots, kv_heads, head_dim], a page being `block_size`
-consecutive slots. A page moves in one gather or scatter per layer and kind; values are copied exactly.
+consecutive slots, K after RoPE, exactly as the model computed it. vLLM's block layouts:
+  cpu    [num_blocks, kv_heads, block_size, 2 * head_dim]. How a block's bytes hold K and V is the CPU
+         attention kernel's business and differs between kernels (vLLM 0.32.0's vec/vec16 kernels store
+         each head's K column-major, [head_dim, block_size], and V row-major after it; AMX packs K and V
+         for its tiles). So the layout is never assumed: `probe_cpu_layout` has the engine's own
+         `reshape_and_cache` write two probe blocks and reads back where every K and V element went,
+         giving a permutation of the block that converts exactly; a kernel whose block is not a
+         permutation of K and V (quantized, padded in ways that lose elements) is refused at start.
+  flash  [2, num_blocks, block_size, kv_heads, head_dim] (FlashAttention on GPU; index 0 is K).
+A page moves in one gather or scatter per layer; values are copied exactly.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 
 
 @dataclass(frozen=True)
 class Geometry:
-    """What a vLLM layer tensor holds, read off its shape."""
+    """What a vLLM layer tensor holds, read off its shape (and, on CPU, probed from the kernel)."""
 
     layout: str  # "cpu" | "flash"
     num_blocks: int
@@ -24,6 +30,10 @@ class Geometry:
     kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    # cpu: for each element of a block (flattened), which element of [2 (K, V), block_size, kv_heads,
+    # head_dim] it holds; `written` marks the elements the kernel writes (the rest is padding)
+    source: Optional[torch.Tensor] = None
+    written: Optional[torch.Tensor] = None
 
 
 def geometry(kv: torch.Tensor, block_size: int) -> Geometry:
@@ -35,9 +45,54 @@ def geometry(kv: torch.Tensor, block_size: int) -> Geometry:
     raise ValueError(f"unsupported vLLM KV layout {tuple(kv.shape)} for block size {block_size}")
 
 
+Writer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+def probe_cpu_layout(g: Geometry, write: Writer, what: str = "the CPU attention kernel") -> Geometry:
+    """Learn where the kernel puts each K and V element of a block.
+
+    `write(key, value, key_cache, value_cache, slot_mapping)` is the engine's own reshape_and_cache. Each
+    element gets an id, written in two passes of small integers (exact in every float dtype: 1..256), K
+    positive and V negative; the block read back gives the permutation."""
+    b, h, d = g.block_size, g.kv_heads, g.head_dim
+    n = b * h * d
+    ids = torch.arange(n, dtype=torch.int64).view(b, h, d)
+    seen = []
+    for part in (ids % 256, ids // 256):
+        cache = torch.zeros(2, h, b, 2 * d, dtype=g.dtype)
+        kc, vc = cache.view(2, h, 2 * b, d).chunk(2, dim=2)
+        vals = (part + 1).to(torch.float32)
+        write(vals.to(g.dtype), (-vals).to(g.dtype), kc, vc, torch.arange(b, 2 * b, dtype=torch.int64))
+        if cache[0].abs().sum() != 0:
+            raise ValueError(f"radixd connector: {what} wrote outside the block it was given; cannot convert")
+        seen.append(cache[1].reshape(-1).to(torch.float32))
+    lo, hi = seen
+    written = lo != 0
+    sign = torch.sign(lo)
+    if not torch.equal(written, hi != 0) or not torch.equal(sign[written], torch.sign(hi[written])) or \
+            not torch.equal(lo.abs().round(), lo.abs()) or not torch.equal(hi.abs().round(), hi.abs()):
+        raise ValueError(f"radixd connector: {what} does not store K and V as exact values (quantized or "
+                         "packed); radixd cannot convert its blocks exactly")
+    elem = (hi.abs().long() - 1) * 256 + (lo.abs().long() - 1)
+    elem = torch.where(sign < 0, elem + n, elem)  # V ids follow K ids
+    got = torch.sort(elem[written]).values
+    if got.numel() != 2 * n or not torch.equal(got, torch.arange(2 * n)):
+        raise ValueError(f"radixd connector: {what} does not keep every K and V element of a block exactly "
+                         "once; radixd cannot convert its blocks exactly")
+    # elem is indexed [kind, token, head, dim]: kind * n + (token * h + head) * d + dim
+    return Geometry(g.layout, g.num_blocks, b, h, d, g.dtype, elem, written)
+
+
 def _page_index(slots: torch.Tensor, block_size: int) -> torch.Tensor:
     """First slots of whole pages -> every slot, page by page: [pages * block_size]."""
     return (slots.view(-1, 1) + torch.arange(block_size, device=slots.device)).view(-1)
+
+
+def _probed(g: Geometry, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    if g.source is None:
+        raise ValueError("a CPU block layout must be probed first (probe_cpu_layout)")
+    pos = torch.nonzero(g.written).view(-1).to(device)
+    return pos, g.source[g.written].to(device)
 
 
 def load_blocks(kv: torch.Tensor, g: Geometry, blocks: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -48,9 +103,12 @@ def load_blocks(kv: torch.Tensor, g: Geometry, blocks: torch.Tensor, k: torch.Te
     ks = k.index_select(0, idx).view(n, b, g.kv_heads, g.head_dim)
     vs = v.index_select(0, idx).view(n, b, g.kv_heads, g.head_dim)
     if g.layout == "cpu":
-        dst = kv.view(g.num_blocks, g.kv_heads, 2 * b, g.head_dim)
-        dst[blocks, :, :b] = ks.permute(0, 2, 1, 3).to(kv.dtype)
-        dst[blocks, :, b:] = vs.permute(0, 2, 1, 3).to(kv.dtype)
+        pos, src = _probed(g, kv.device)
+        both = torch.stack([ks, vs], dim=1).reshape(n, -1).to(kv.dtype)  # [n, 2 * b * H * D]
+        flat = kv.view(g.num_blocks, -1)
+        rows = flat[blocks]
+        rows[:, pos] = both[:, src]
+        flat[blocks] = rows
     else:
         kv[0, blocks] = ks.to(kv.dtype)
         kv[1, blocks] = vs.to(kv.dtype)
@@ -60,11 +118,15 @@ def save_blocks(kv: torch.Tensor, g: Geometry, blocks: torch.Tensor, k: torch.Te
                 page_starts: torch.Tensor) -> None:
     """vLLM blocks -> radixd pages (first slot of each), for one layer."""
     idx = _page_index(page_starts, g.block_size)
-    b = g.block_size
+    n, b = blocks.numel(), g.block_size
     if g.layout == "cpu":
-        src = kv.view(g.num_blocks, g.kv_heads, 2 * b, g.head_dim)[blocks]  # [n, H, 2b, D]
-        ks = src[:, :, :b].permute(0, 2, 1, 3).reshape(-1, g.kv_heads, g.head_dim)
-        vs = src[:, :, b:].permute(0, 2, 1, 3).reshape(-1, g.kv_heads, g.head_dim)
+        pos, src = _probed(g, kv.device)
+        rows = kv.view(g.num_blocks, -1)[blocks]
+        both = torch.empty(n, 2 * b * g.kv_heads * g.head_dim, dtype=kv.dtype, device=kv.device)
+        both[:, src] = rows[:, pos]
+        both = both.view(n, 2, b * g.kv_heads, g.head_dim)
+        ks = both[:, 0].reshape(-1, g.kv_heads, g.head_dim)
+        vs = both[:, 1].reshape(-1, g.kv_heads, g.head_dim)
     else:
         ks = kv[0, blocks].reshape(-1, g.kv_heads, g.head_dim)
         vs = kv[1, blocks].reshape(-1, g.kv_heads, g.head_dim)

@@ -1,0 +1,65 @@
+"""vLLM 0.32.0's own CPU attention kernels against radixd's block conversion (run in vLLM's venv by
+tests/test_vllm_connector.py): for every kernel this CPU can run and every dtype, the kernel's own
+reshape_and_cache writes random K and V into blocks, the connector's probe learns the layout from the
+kernel, and save_blocks must give back exactly the K and V the kernel was handed (load_blocks the reverse,
+byte for byte into the kernel's layout). Prints one line per kernel and dtype, then `ok layouts N`.
+"""
+from __future__ import annotations
+
+import torch
+from vllm import _custom_ops as ops
+from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+from radixd.vllm.layout import geometry, load_blocks, probe_cpu_layout, save_blocks
+
+BLOCK, HEADS, NB = 32, 2, 5
+
+
+def check(isa: str, dtype: torch.dtype, head_dim: int) -> str:
+    def write(key, value, kc, vc, slots):
+        ops.cpu_attn_reshape_and_cache(key, value, kc, vc, slots, isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+
+    kv = torch.zeros(NB, HEADS, BLOCK, 2 * head_dim, dtype=dtype)
+    try:
+        g = probe_cpu_layout(geometry(kv, BLOCK), write, isa)
+    except ValueError as e:
+        return f"refused: {e}"
+    gen = torch.Generator().manual_seed(0)
+    n = 3 * BLOCK
+    key = torch.randn(n, HEADS, head_dim, generator=gen).to(dtype)
+    value = torch.randn(n, HEADS, head_dim, generator=gen).to(dtype)
+    blocks = torch.tensor([4, 1, 2])
+    slots = (blocks.view(-1, 1) * BLOCK + torch.arange(BLOCK)).view(-1)
+    kc, vc = kv.view(NB, HEADS, 2 * BLOCK, head_dim).chunk(2, dim=2)
+    write(key, value, kc, vc, slots)  # the engine's forward writes its K and V
+    k, v = torch.zeros(4 * BLOCK, HEADS, head_dim, dtype=dtype), torch.zeros(4 * BLOCK, HEADS, head_dim, dtype=dtype)
+    pages = torch.tensor([BLOCK, 3 * BLOCK, 0])
+    save_blocks(kv, g, blocks, k, v, pages)
+    for i, p in enumerate(pages.tolist()):
+        assert torch.equal(k[p:p + BLOCK], key[i * BLOCK:(i + 1) * BLOCK]), (isa, dtype, "K")
+        assert torch.equal(v[p:p + BLOCK], value[i * BLOCK:(i + 1) * BLOCK]), (isa, dtype, "V")
+    again = torch.zeros_like(kv)
+    load_blocks(again, g, blocks, k, v, pages)
+    assert torch.equal(again[blocks], kv[blocks]), (isa, dtype, "load")
+    return "exact"
+
+
+def main() -> None:
+    done = 0
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for head_dim in (32, 64, 80):
+            isa = _get_attn_isa(dtype, BLOCK, head_dim)  # the kernel vLLM picks on this CPU
+            res = check(isa, dtype, head_dim)
+            print(dtype, head_dim, isa, res, flush=True)
+            assert res == "exact", (isa, dtype, head_dim, res)
+            done += 1
+    for head_dim in (32, 64):  # AMX (bf16) on a CPU that has it; its block packing is plain data movement
+        res = check("amx", torch.bfloat16, head_dim)
+        print(torch.bfloat16, head_dim, "amx", res, flush=True)
+        assert res == "exact", ("amx", head_dim, res)
+        done += 1
+    print("ok layouts", done, flush=True)
+
+
+if __name__ == "__main__":
+    main()
