@@ -211,8 +211,11 @@ class CacheCore:
         for i, it in enumerate(items):
             n = len(it.tokens)
             npos = max(n - 1, 0) if self.tree.bigram else n  # bigram keys are token pairs
-            if len(it.indices) not in (n, npos):
-                raise BadRequest(f"item {i}: {len(it.indices)} indices for {n} tokens")
+            page = self.tree.page_size
+            whole = -(-npos // page) * page  # Alloc hands out whole pages: the last one may come along whole
+            if not (len(it.indices) in (n, npos) or npos < len(it.indices) <= whole):
+                raise BadRequest(f"item {i}: {len(it.indices)} indices for {n} tokens (at most {whole}: "
+                                 "the tokens' pages)")
             aligned = npos - npos % self.tree.page_size
             if not 0 <= it.prev_prefix_len <= aligned:
                 raise BadRequest(f"item {i}: prev_prefix_len {it.prev_prefix_len} outside [0, {aligned}]")
@@ -233,7 +236,8 @@ class CacheCore:
             self._check_held(s, np.concatenate(claimed), "indices beyond prev_prefix_len")
 
     def _insert_one(self, s: Session, it: Item, chunked: bool = False) -> tuple[InsertOutcome, np.ndarray]:
-        r = self.tree.insert(it.tokens, it.indices, it.ns, it.prev_prefix_len, it.priority, chunked=chunked)
+        keyed = it.indices[:len(it.tokens)]  # beyond: the rest of the last page (the tail with the others)
+        r = self.tree.insert(it.tokens, keyed, it.ns, it.prev_prefix_len, it.priority, chunked=chunked)
         if r.duplicates.size:
             self.alloc.move(r.duplicates.astype(np.int64), HELD, FREE, s.owner, check=False)
         if r.adopted_len:

@@ -132,7 +132,7 @@ class Simulator:
         t, r = self.tree, self.r
         n = len(tokens) - len(tokens) % self.page
         r.requests += 1
-        r.tokens += n
+        r.tokens += len(tokens)  # hit rates over every prompt token, at any page size (as SGLang's)
         if n == 0:
             return
         m = t.match_prefix(tokens[:n])
@@ -159,41 +159,38 @@ class Simulator:
         t.unlock(receipt)
 
 
-def _progress(done: int, total: int, t0: float) -> None:
-    width = 30
-    k = int(width * done / total) if total else width
-    rate = done / max(time.perf_counter() - t0, 1e-9)
-    sys.stderr.write(f"\r[{'#' * k}{'.' * (width - k)}] {done}/{total} requests  {rate:,.0f}/s")
-    if done == total:
-        sys.stderr.write("\n")
-    sys.stderr.flush()
-
-
 def run_grid(make_requests: Callable[[], Iterable[np.ndarray]], capacities: list[int], host_x: list[float],
              policies: list[str], pages: list[int], every: int = 100, progress: bool = True,
              total: Optional[int] = None):
-    """Every cell of the grid over the same requests; returns (results, timelines of hit rate per window)."""
+    """Every cell of the grid over the same requests; returns (results, timelines of hit rate per window).
+
+    Progress goes to stderr: a bar on a terminal (tqdm), one line per cell when stderr is a file or a pipe."""
+    from tqdm import tqdm
+
     cells = list(itertools.product(capacities, host_x, policies, pages))
     results, timelines = [], {}
     for i, (cap, hx, pol, page) in enumerate(cells):
-        if progress:
-            sys.stderr.write(f"cell {i + 1}/{len(cells)}: device {cap}, host {hx:g}x, {pol}, page {page}\n")
+        name = f"cell {i + 1}/{len(cells)}: device {cap}, host {hx:g}x, {pol}, page {page}"
         sim = Simulator(cap, int(cap * hx), pol, page)
         line, last = [], (0, 0)
         t0 = time.perf_counter()
         count = 0
+        bar = tqdm(total=total, desc=name, unit=" requests", file=sys.stderr, leave=True, mininterval=0.5,
+                   disable=None if progress else True)  # None: no bar unless stderr is a terminal
         for tokens in make_requests():
             sim.step(tokens)
             count += 1
+            bar.update()
             if count % every == 0:
                 hits = sim.r.device_hit + sim.r.host_hit
                 line.append((count, (hits - last[0]) / max(sim.r.tokens - last[1], 1)))
                 last = (hits, sim.r.tokens)
-            if progress and total and count % 200 == 0:
-                _progress(count, total, t0)
+        bar.close()
         total = count
-        if progress:
-            _progress(count, total, t0)
+        if progress and bar.disable:
+            rate = count / max(time.perf_counter() - t0, 1e-9)
+            sys.stderr.write(f"{name}: {count} requests, {rate:,.0f}/s\n")
+            sys.stderr.flush()
         results.append(sim.r)
         timelines[(cap, hx, pol, page)] = line
     return results, timelines
@@ -246,9 +243,49 @@ def plot(results: list[Result], timelines: dict, out_dir: str) -> list[str]:
     for pol, hx, page in sorted({cell(r) for r in results}):
         pts = sorted((r.device_tokens, r.hit_rate) for r in results if cell(r) == (pol, hx, page))
         by_capacity.append(([p[0] for p in pts], [p[1] for p in pts], f"{pol} host {hx:g}x page {page}"))
-    over_time = [([p[0] for p in line], [p[1] for p in line], f"{cap} {pol} host {hx:g}x p{page}")
-                 for (cap, hx, pol, page), line in sorted(timelines.items()) if line]
+    over_time = os.path.join(out_dir, "hit_rate_over_time.png")
+    fig = over_time_figure(plt, timelines)
+    fig.savefig(over_time, dpi=110, bbox_inches="tight")
+    plt.close(fig)
     return [_figure(plt, by_capacity, "device capacity (tokens)", "token hit rate",
-                    os.path.join(out_dir, "hit_rate_vs_capacity.png"), logx=True, marker="o"),
-            _figure(plt, over_time, "requests", "token hit rate (window)",
-                    os.path.join(out_dir, "hit_rate_over_time.png"))]
+                    os.path.join(out_dir, "hit_rate_vs_capacity.png"), logx=True, marker="o"), over_time]
+
+
+MAX_LINES = 8  # lines one panel shows; more capacities are thinned to an even spread
+
+
+def over_time_figure(plt, timelines: dict):
+    """Hit rate over time, one panel per (policy, host tier, page) and a line per device size on an ordered
+    colour scale, so a 40-cell grid stays readable (a single panel with 40 lines and a legend was not)."""
+    groups: dict[tuple, list] = {}
+    for (cap, hx, pol, page), line in timelines.items():
+        if line:
+            groups.setdefault((pol, hx, page), []).append((cap, line))
+    keys = sorted(groups)
+    cols = min(4, max(len(keys), 1))
+    rows = -(-len(keys) // cols) if keys else 1
+    fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 2.8 * rows), sharex=True, sharey=True,
+                             squeeze=False)
+    cmap = plt.get_cmap("viridis")
+    for ax, key in zip(axes.flat, keys):
+        lines = sorted(groups[key], key=lambda x: x[0])
+        shown = lines
+        if len(lines) > MAX_LINES:
+            pick = np.linspace(0, len(lines) - 1, MAX_LINES).round().astype(int)
+            shown = [lines[i] for i in sorted(set(pick.tolist()))]
+        for j, (cap, line) in enumerate(shown):
+            ax.plot([p[0] for p in line], [p[1] for p in line], color=cmap(j / max(len(shown) - 1, 1)),
+                    label=f"{cap:,}")
+        pol, hx, page = key
+        extra = f" ({len(shown)} of {len(lines)} sizes)" if len(shown) < len(lines) else ""
+        ax.set_title(f"{pol}, host {hx:g}x, page {page}{extra}", fontsize=8)
+        ax.grid(alpha=0.3)
+        ax.legend(title="device tokens", fontsize=6, title_fontsize=6, loc="lower right")
+    for ax in list(axes.flat)[len(keys):]:
+        ax.set_visible(False)
+    for ax in axes[-1]:
+        ax.set_xlabel("requests", fontsize=8)
+    for ax in axes[:, 0]:
+        ax.set_ylabel("token hit rate (window)", fontsize=8)
+    fig.tight_layout()
+    return fig

@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import os
+import site
 import subprocess
 import sys
-import venv
 import zipfile
 from pathlib import Path
 
@@ -34,18 +34,20 @@ def test_wheel_installs_into_a_fresh_venv(tmp_path):
     if os.environ.get("RADIXD_REQUIRE_NATIVE"):  # CI installs OpenSSL's headers: the native chain must be in
         for ext in ("radixd/server/tree/_chain", "radixd/server/_kvevents"):
             assert any(n.startswith(ext) and n.endswith(".so") for n in names), (ext, names)
-    env = tmp_path / "venv"
-    venv.create(env, system_site_packages=True, with_pip=False)
-    py = env / "bin" / "python"
-    subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps", "-q",
-                    "--target", str(tmp_path / "site"), str(whl)], check=True)
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import radixd.server.tree as t, radixd.client, "
+    # The wheel alone, beside the dependencies of the interpreter running the tests (a venv's or the system's:
+    # its own site-packages, read without their .pth files, so an editable radixd there stays invisible).
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(tmp_path / "site"),
+                    str(whl)], check=True)
+    deps = os.pathsep.join(site.getsitepackages())
+    code = ("import sys; sys.path[:0] = [sys.argv[1]]; sys.path += sys.argv[3].split(':'); "
+            "import radixd.server.tree as t, radixd.client, "
             "radixd.proto.cache_pb2; assert sys.argv[1] in t.__file__, t.__file__; "
             "import importlib.util as u; assert u.find_spec('server') is None and u.find_spec('client') is None; "
             "from radixd.server.tree import hashes; from radixd.server import events; "
             "assert (hashes.NATIVE and events.NATIVE) or not sys.argv[2]; "
             "print(t.RadixTree().insert([1, 2], [3, 4]).adopted_len)")
-    out = subprocess.run([str(py), "-I", "-c", code, str(tmp_path / "site"), os.environ.get("RADIXD_REQUIRE_NATIVE", "")],
-                         capture_output=True, text=True, cwd=tmp_path)
+    out = subprocess.run([sys.executable, "-I", "-S", "-c", code, str(tmp_path / "site"),
+                          os.environ.get("RADIXD_REQUIRE_NATIVE", ""), deps], capture_output=True, text=True,
+                         cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "2"

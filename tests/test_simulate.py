@@ -74,7 +74,9 @@ def test_the_cli_prints_a_table_writes_a_csv_and_plots(tmp_path):
                               "--policy", "lru,lfu", "--page", "16", "--out", str(out)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "hit rate" in r.stdout and r.stdout.count("\n") >= 9 and "requests" in r.stderr  # table, progress
+    assert "hit rate" in r.stdout and r.stdout.count("\n") >= 9  # the table
+    # progress into a pipe: one line per cell, no carriage-return bar
+    assert "\r" not in r.stderr and r.stderr.count(" requests, ") == 8, r.stderr[-2000:]
     rows = (out / "simulate.csv").read_text().strip().splitlines()
     assert len(rows) == 1 + 8 and rows[0].startswith("device_tokens,host_tokens,policy,page")
     small = [line for line in rows[1:] if line.startswith("2048,0,lru")][0].split(",")
@@ -92,3 +94,40 @@ def test_bad_simulate_arguments_are_one_line(tmp_path):
         r = subprocess.run(CLI + ["simulate", "--out", str(tmp_path), *argv], capture_output=True, text=True,
                            timeout=120)
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and text in r.stderr, r.stderr
+
+
+def test_hit_rates_count_every_prompt_token_at_any_page_size(tmp_path):
+    """As SGLang's cache_hit_rate: hits over all prompt tokens, not over page-aligned ones."""
+    reqs = list(synthetic_requests(60, seed=9))
+    total = sum(len(r) for r in reqs)
+    for page in (1, 16):
+        sim = Simulator(device_tokens=total + 1024, page=page)
+        for r in reqs:
+            sim.step(r)
+        assert sim.r.tokens == total
+    from radixd.server.tree import RadixTree
+    t = RadixTree(page_size=16)
+    t.match_prefix(np.arange(37, dtype=np.int32))
+    assert t.counters.queried_tokens == 37
+
+
+def test_the_hit_rate_over_time_plot_stays_readable_at_40_cells():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from radixd.server.simulate import MAX_LINES, over_time_figure
+    caps = [1024 * 2 ** i for i in range(10)]
+    timelines = {(cap, hx, pol, 16): [(k * 100, (k + i) / 50) for k in range(1, 20)]
+                 for i, cap in enumerate(caps) for hx in (0, 2) for pol in ("lru", "lfu")}
+    assert len(timelines) == 40
+    fig = over_time_figure(plt, timelines)
+    panels = [ax for ax in fig.axes if ax.get_visible()]
+    assert len(panels) == 4  # one per (policy, host tier, page)
+    for ax in panels:
+        labels = [t.get_text() for t in ax.get_legend().get_texts()]
+        colours = {tuple(line.get_color()) for line in ax.get_lines()}
+        assert len(labels) == MAX_LINES == len(colours)  # thinned to 8 sizes, each its own colour
+        assert labels[0] == "1,024" and labels[-1] == f"{caps[-1]:,}"  # the smallest and largest stay
+        assert "8 of 10 sizes" in ax.get_title()
+    plt.close(fig)

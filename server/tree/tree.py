@@ -479,7 +479,7 @@ class RadixTree(TransferMixin, StorageMixin):
         kb = self._encode_key(tokens)
         n = self._align(len(kb))
         isz = self._isz
-        self.counters.queried_tokens += n // isz
+        self.counters.queried_tokens += len(kb) // isz  # every token asked for, as SGLang's hit rate counts
         root = self._roots.get(namespace)
         if root is None:  # a namespace never seen: allocate nothing
             root = self._roots[DEFAULT_NS]
