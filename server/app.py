@@ -6,6 +6,8 @@ import ipaddress
 import logging
 import os
 import signal
+import socket
+import stat
 import uuid
 import zlib
 
@@ -15,7 +17,7 @@ from grpc_reflection.v1alpha import reflection
 
 from radixd.proto import cache_pb2, cache_pb2_grpc
 
-from .config import Config, host_slots_for
+from .config import Config, host_slots_for, source_of
 from .events import EventHub
 from .core import CacheCore
 from .metrics import Metrics
@@ -25,6 +27,7 @@ from .pools.pool import KVPool
 from .pools.shm import SHM_DIR, cleanup_stale, shm_room
 from .pools.spec import total_bytes
 from .pools.spec import PoolSpec
+from .quiet import native_stderr
 from .service import RadixCacheService, TokenAuth
 from .tiers import HostTier
 from .transfer.engine import TransferEngine
@@ -34,13 +37,13 @@ log = logging.getLogger("radixd")
 SERVICE_NAME = cache_pb2.DESCRIPTOR.services_by_name["RadixCache"].full_name
 
 
-def pick_backend(device: str) -> str:
+def pick_backend(device: str, source: str = "--device") -> str:
     """auto -> cuda when a GPU is visible, else shm."""
     if device == "cpu":
         return "shm"
     if device == "cuda":
         if not cuda_available():
-            raise StartupError("--device cuda: no CUDA GPU visible (or cupy missing); use --device cpu or auto")
+            raise StartupError(f"{source} cuda: no CUDA GPU visible (or cupy missing); use cpu or auto")
         return "cuda"
     return "cuda" if cuda_available() else "shm"
 
@@ -58,33 +61,44 @@ class StartupError(Exception):
     """The configuration cannot be served on this machine; the message says what to change."""
 
 
-START_STEPS = ("pools", "storage", "events", "listen", "metrics", "serving")
+START_STEPS = ("config", "pools", "host_pool", "storage", "events", "tls", "listen", "metrics", "serving")
 
 
 def _step(name: str) -> None:
-    """Tests force a failure at one start-up step (RADIXD_TEST_FAIL_AT) to check a failed start cleans up."""
+    """Tests force a failure (RADIXD_TEST_FAIL_AT) or a SIGTERM (RADIXD_TEST_TERM_AT) at one start-up step, to
+    check that a start stopped there leaves nothing behind. `listen` is reached once per address."""
     if os.environ.get("RADIXD_TEST_FAIL_AT") == name:
         raise StartupError(f"injected failure at start-up step {name!r} (RADIXD_TEST_FAIL_AT)")
+    if os.environ.get("RADIXD_TEST_TERM_AT") == name:
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _gb(n: int) -> str:
     return f"{n / 1e9:.1f} GB"
 
 
-def _check_shm(device_bytes: int, host_bytes: int) -> None:
+def _device_sources(cfg: Config) -> str:
+    return f"{source_of(cfg, 'num_slots')} (or the KV geometry)"
+
+
+def _host_sources(cfg: Config) -> str:
+    given = [n for n in ("host_slots", "host_mem", "host_ratio") if getattr(cfg, n)]
+    return " / ".join(source_of(cfg, n) for n in given) or "--host-slots"
+
+
+def _check_shm(device_bytes: int, host_bytes: int, cfg: Config) -> None:
     """Refuse shared-memory pools that the shm mount or the machine's memory cannot back."""
     need = device_bytes + host_bytes
     free, avail = shm_room()
     room = min(free, avail)
     if need > room:
-        which = ("--num-slots (or --layers / --kv-heads / --head-dim / --dtype)" if device_bytes >= host_bytes
-                 else "--host-slots / --host-mem / --host-ratio")
+        which = _device_sources(cfg) if device_bytes >= host_bytes else _host_sources(cfg)
         raise StartupError(f"the pools need {_gb(need)} of shared memory (device {_gb(device_bytes)}, host "
                            f"{_gb(host_bytes)}), but {SHM_DIR} has {_gb(free)} free and {_gb(avail)} of memory is "
                            f"available: lower {which}")
 
 
-def check_gpus(pool_bytes: int, gpus: list[int], free_of=None) -> None:
+def check_gpus(pool_bytes: int, gpus: list[int], free_of=None, what: str = "--num-slots (or the KV geometry)") -> None:
     """Refuse a device pool larger than what each GPU has free now (leaving 5% for the CUDA context)."""
     if free_of is None:
         from .pools.cuda import free_bytes as free_of
@@ -92,12 +106,12 @@ def check_gpus(pool_bytes: int, gpus: list[int], free_of=None) -> None:
         free = free_of(g)
         if pool_bytes > free * 0.95:
             raise StartupError(f"the device pool needs {_gb(pool_bytes)} on GPU {g}, which has {_gb(free)} free: "
-                               "lower --num-slots (or --layers / --kv-heads / --head-dim / --dtype)")
+                               f"lower {what}")
 
 
 def build_core(cfg: Config, instance_id: str) -> CacheCore:
     """Pools, allocators and tree for a config; a failure leaves no pool behind."""
-    backend = pick_backend(cfg.device)
+    backend = pick_backend(cfg.device, source_of(cfg, "device"))
     spec = PoolSpec(num_layers=cfg.layers, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, dtype=cfg.dtype,
                     page_size=cfg.page_size, num_slots=cfg.num_slots, mla=cfg.mla)
     if backend != "cuda":
@@ -105,21 +119,26 @@ def build_core(cfg: Config, instance_id: str) -> CacheCore:
     gpus = cfg.gpus if backend == "cuda" else [0]
     host_slots = host_slots_for(cfg, spec.slot_bytes)
     if host_slots and len(gpus) > 1:
-        raise StartupError("a host tier with more than one device pool (--gpus) is not supported yet")
+        raise StartupError(f"{source_of(cfg, 'gpus')}: a host tier with more than one device pool is not supported "
+                           "yet")
     host_spec = spec.with_slots(host_slots, cfg.host_layout) if host_slots else None
-    _check_shm(total_bytes(spec) * len(gpus) if backend == "shm" else 0, total_bytes(host_spec) if host_spec else 0)
+    _check_shm(total_bytes(spec) * len(gpus) if backend == "shm" else 0, total_bytes(host_spec) if host_spec else 0,
+               cfg)
     if backend == "cuda":
-        check_gpus(total_bytes(spec), gpus)
+        check_gpus(total_bytes(spec), gpus, what=_device_sources(cfg))
     pools: list[KVPool] = []
     try:
         for i, g in enumerate(gpus):
             pools.append(KVPool(spec, "device", instance_id, backend, device_index=g, index=i))
-        if host_spec is not None:
-            pools.append(KVPool(host_spec, "host", instance_id, "shm", pin=backend == "cuda"))
         if cfg.prefault:
             for p in pools:
                 p.prefault()
         _step("pools")
+        if host_spec is not None:
+            pools.append(KVPool(host_spec, "host", instance_id, "shm", pin=backend == "cuda"))
+            if cfg.prefault:
+                pools[-1].prefault()
+            _step("host_pool")
     except BaseException:
         for p in pools:
             p.close()
@@ -159,15 +178,17 @@ def build_core(cfg: Config, instance_id: str) -> CacheCore:
 def attach_storage(cfg: Config, core: CacheCore, spec: PoolSpec) -> None:
     """Open the L3 store and put the storage tier behind the host tier (a bad URL fails the start)."""
     from .storage import StorageTier, format_descriptor, format_tag, open_store
+    where = source_of(cfg, "storage")
     if core.host is None:
-        raise StartupError(f"--storage {cfg.storage}: L3 needs the host tier (give --host-slots, --host-mem or "
+        raise StartupError(f"{where} {cfg.storage}: L3 needs the host tier (give --host-slots, --host-mem or "
                            "--host-ratio)")
     if cfg.bigram:
-        raise StartupError("--storage with --bigram is not supported (EAGLE bigram keys have no storage format)")
+        raise StartupError(f"{where} with {source_of(cfg, 'bigram')}: not supported (EAGLE bigram keys have no "
+                           "storage format)")
     try:
         store = open_store(cfg.storage, spec.slot_bytes * spec.page_size)
     except ValueError as e:
-        raise StartupError(f"--storage: {e}") from None
+        raise StartupError(f"{where}: {e}") from None
     fmt = format_tag(spec, cfg.model_id)
     core.host.storage = core.storage = StorageTier(
         store, core.host, fmt, cfg.storage_write_policy, cfg.prefetch_threshold, cfg.prefetch_policy,
@@ -179,32 +200,109 @@ def attach_storage(cfg: Config, core: CacheCore, spec: PoolSpec) -> None:
                     "share pages; name the model")
 
 
+class Terminated(BaseException):
+    """SIGTERM or SIGINT during start-up: the start is abandoned, everything built so far is removed."""
+
+
 async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
-    """Run until SIGTERM/SIGINT; then NOT_SERVING, graceful stop, pools unlinked."""
-    swept = len(cleanup_stale())  # reported once serving: a refused start says only why it was refused
-    instance_id = uuid.uuid4().hex
-    core = build_core(cfg, instance_id)
+    """Run until SIGTERM/SIGINT; then NOT_SERVING, graceful stop, pools unlinked. A signal during start-up
+    abandons the start at the next step, and nothing built so far is left behind."""
+    loop = asyncio.get_running_loop()
+    main = asyncio.current_task()
+    stop = asyncio.Event()
+    state = {"serving": False}
+
+    def on_signal() -> None:
+        stop.set()
+        if not state["serving"]:
+            main.cancel()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal)
+    core = None
     sockets: list[str] = []
     try:
-        await _run(cfg, core, instance_id, sockets, ready, swept)
-    finally:  # every exit, a failed start included, leaves no segment and no socket file behind
-        if core.storage is not None:
-            await core.storage.drain()
-            core.storage.close()
-        if core.host is not None:
-            await core.host.engine.drain()
-            core.host.engine.close()
-        if core.events is not None:
-            await core.events.close()
-        for p in core.device_pools + ([core.host_pool] if core.host_pool else []):
-            p.close()
+        swept = len(cleanup_stale())  # reported once serving: a refused start says only why it was refused
+        instance_id = uuid.uuid4().hex
+        core = build_core(cfg, instance_id)
+        await asyncio.sleep(0)  # a signal that came while the pools were built lands here
+        await _run(cfg, core, instance_id, sockets, ready, swept, stop, state)
+    except asyncio.CancelledError:
+        if not stop.is_set():
+            raise
+        raise Terminated() from None
+    finally:  # every exit, a failed or stopped start included, leaves no segment and no socket file behind
+        if core is not None:
+            if core.storage is not None:
+                await core.storage.drain()
+                core.storage.close()
+            if core.host is not None:
+                await core.host.engine.drain()
+                core.host.engine.close()
+            if core.events is not None:
+                await core.events.close()
+            for p in core.device_pools + ([core.host_pool] if core.host_pool else []):
+                p.close()
         for path in sockets:
             if os.path.exists(path):
                 os.unlink(path)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+
+def claim_unix_path(path: str, where: str) -> None:
+    """Only a stale socket (nobody answers on it) may be replaced: a live server's socket, a regular file or a
+    directory at the path, a missing directory or a path too long for a socket refuse the start."""
+    if len(path.encode()) > 107:
+        raise StartupError(f"{where}: the path is {len(path.encode())} bytes; a unix socket path has at most 107")
+    folder = os.path.dirname(path) or "."
+    if not os.path.isdir(folder):
+        raise StartupError(f"{where}: the directory {folder} does not exist")
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        kind = "a directory" if stat.S_ISDIR(mode) else "a file that is not a socket"
+        raise StartupError(f"{where}: {path} is {kind}; refusing to replace it")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(2.0)
+    try:
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        os.unlink(path)  # a dead server's socket
+        return
+    except OSError as e:
+        raise StartupError(f"{where}: cannot tell whether a server still uses {path} ({e.strerror or e}); "
+                           "refusing to replace it") from None
+    finally:
+        probe.close()
+    raise StartupError(f"{where}: a server is listening on {path}; stop it first or pick another path")
+
+
+def _bind(server, addr: str, where: str, creds=None) -> int:
+    """add_port with gRPC core's own log lines kept out of stderr: a refusal is one line of ours."""
+    with native_stderr() as said:
+        try:
+            port = server.add_secure_port(addr, creds) if creds else server.add_insecure_port(addr)
+        except RuntimeError as e:
+            port, err = 0, str(e)
+        else:
+            err = ""
+    if port == 0 or err:
+        text = said.text + err
+        reason = next((why for known, why in _BIND_ERRORS if known in text), "gRPC could not bind it")
+        raise StartupError(f"{where}: cannot listen there ({reason})")
+    return port
+
+
+_BIND_ERRORS = (("Address already in use", "the address is in use"),
+                ("Cannot assign requested address", "not an address of this machine"),
+                ("Permission denied", "permission denied"), ("No such file or directory", "no such directory"),
+                ("Name or service not known", "unknown host"), ("not known", "unknown host"))
 
 
 async def _run(cfg: Config, core: CacheCore, instance_id: str, sockets: list[str],
-               ready: asyncio.Event | None, swept: int = 0) -> None:
+               ready: asyncio.Event | None, swept: int, stop: asyncio.Event, state: dict) -> None:
     """Start gRPC, health, reflection and metrics over a built core; return after a graceful stop."""
     metrics = Metrics(core)
     if core.tree.events_enabled:
@@ -214,7 +312,13 @@ async def _run(cfg: Config, core: CacheCore, instance_id: str, sockets: list[str
                                         cfg.kv_events_watcher_queue))
             await core.events.start()
         except ValueError as e:
-            raise StartupError(str(e)) from None
+            msg = str(e)
+            for name in ("kv_events_replay_endpoint", "kv_events_endpoint"):
+                flag = f"--{name.replace('_', '-')}"
+                if msg.startswith(flag):
+                    msg = source_of(cfg, name) + msg[len(flag):]
+                    break
+            raise StartupError(msg) from None
     _step("events")
     if core.storage is not None and core.events is not None:
         core.storage.on_change = core.events.flush  # prefetched pages are published as they land
@@ -239,69 +343,64 @@ async def _run(cfg: Config, core: CacheCore, instance_id: str, sockets: list[str
             with open(cfg.tls_key, "rb") as k, open(cfg.tls_cert, "rb") as c:
                 creds = grpc.ssl_server_credentials([(k.read(), c.read())])
         except OSError as e:
-            raise StartupError(f"--tls-cert / --tls-key: cannot read {e.filename} ({e.strerror})") from None
+            raise StartupError(f"{source_of(cfg, 'tls_cert')} / {source_of(cfg, 'tls_key')}: cannot read "
+                               f"{e.filename} ({e.strerror})") from None
+        _step("tls")
+    where = source_of(cfg, "listen")
     for addr in cfg.listen:
         if addr.startswith("unix:"):
             path = addr[5:]
             path = path[2:] if path.startswith("//") else path  # unix:///abs and unix:/abs
-            if os.path.exists(path):
-                os.unlink(path)  # a leftover socket of a dead server
+            claim_unix_path(path, f"{where} {addr}")
             old = os.umask(0o177)
             try:
-                server.add_insecure_port(f"unix:{path}")
-            except RuntimeError as e:
-                raise StartupError(f"--listen {addr}: cannot listen there ({e})") from None
+                _bind(server, f"unix:{path}", f"{where} {addr}")
             finally:
                 os.umask(old)
             sockets.append(path)
         else:
             host = addr.rsplit(":", 1)[0]
             if not cfg.token and not cfg.allow_remote and not _is_loopback(host):
-                raise StartupError(f"--listen {addr}: refusing to listen beyond loopback without --token "
-                                   "(pass --allow-remote to insist)")
-            try:
-                port = server.add_secure_port(addr, creds) if creds else server.add_insecure_port(addr)
-            except RuntimeError as e:
-                raise StartupError(f"--listen {addr}: cannot bind ({e})") from None
-            if port == 0:
-                raise StartupError(f"--listen {addr}: cannot bind")
-    _step("listen")
+                raise StartupError(f"{where} {addr}: refusing to listen beyond loopback without a token "
+                                   "(--token; or --allow-remote to insist)")
+            _bind(server, addr, f"{where} {addr}", creds)
+        _step("listen")
+        await asyncio.sleep(0)  # a signal during this step lands here
     metrics_at = ""
     if cfg.metrics_addr:
         mhost, mport = cfg.metrics_addr.rsplit(":", 1)
         try:
             metrics_at = metrics.serve(mhost.strip("[]"), int(mport))
         except OSError as e:
-            raise StartupError(f"--metrics-addr {cfg.metrics_addr}: cannot serve metrics there ({e.strerror or e})") \
-                from None
+            raise StartupError(f"{source_of(cfg, 'metrics_addr')} {cfg.metrics_addr}: cannot serve metrics there "
+                               f"({e.strerror or e})") from None
     _step("metrics")
+    await asyncio.sleep(0)
     await server.start()
     try:
         _step("serving")
+        for path in sockets:
+            os.chmod(path, 0o600)
+        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        if swept:
+            log.info("removed %d stale shared-memory segments of dead servers", swept)
+        pools = ",".join(f"{p.backend}:{p.tier}" for p in core.device_pools + ([core.host_pool] if core.host_pool else []))
+        log.info("radixd %s instance=%s pools=%s metrics=http://%s/metrics %s", __import__("radixd.server").server.__version__,
+                 instance_id, pools, metrics_at, cfg.summary())
+        host_tokens = core.host_alloc.capacity if core.host_alloc is not None else 0
+        print(f"radixd ready listen={','.join(cfg.listen)} metrics=http://{metrics_at}/metrics "
+              f"device_tokens={cfg.num_slots} host_tokens={host_tokens} "
+              f"bytes_per_token={core.device_pools[0].spec.slot_bytes} instance={instance_id}", flush=True)
+        state["serving"] = True  # from here a signal is a graceful stop, not an abandoned start
     except BaseException:
         await server.stop(0)  # a started server must be stopped, or its finaliser complains at exit
         raise
-    for path in sockets:
-        os.chmod(path, 0o600)
-    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
-    if swept:
-        log.info("removed %d stale shared-memory segments of dead servers", swept)
-    pools = ",".join(f"{p.backend}:{p.tier}" for p in core.device_pools + ([core.host_pool] if core.host_pool else []))
-    log.info("radixd %s instance=%s pools=%s metrics=http://%s/metrics %s", __import__("radixd.server").server.__version__,
-             instance_id, pools, metrics_at, cfg.summary())
-    host_tokens = core.host_alloc.capacity if core.host_alloc is not None else 0
-    print(f"radixd ready listen={','.join(cfg.listen)} metrics=http://{metrics_at}/metrics "
-          f"device_tokens={cfg.num_slots} host_tokens={host_tokens} "
-          f"bytes_per_token={core.device_pools[0].spec.slot_bytes} instance={instance_id}", flush=True)
     loop = asyncio.get_running_loop()
     lease_task = loop.create_task(_leases(core, cfg.lock_lease_seconds)) if cfg.lock_lease_seconds else None
-    done = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, done.set)
     if ready is not None:
         ready.set()
-    await done.wait()
+    await stop.wait()
     log.info("shutting down: NOT_SERVING, grace %.1fs", cfg.grace_seconds)
     if lease_task is not None:
         lease_task.cancel()

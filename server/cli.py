@@ -78,15 +78,25 @@ class UsageError(Exception):
 
 
 def cmd_serve(args) -> None:
-    from .app import run
+    import signal
+
+    from .app import StartupError, Terminated, _step, run
     from .config import ConfigError, load
+
+    def stopped(signum, frame):  # until the event loop takes the signals over: nothing is built yet
+        raise Terminated()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stopped)
     flags = {name[2:].replace("-", "_"): getattr(args, name[2:].replace("-", "_")) for name, _ in SERVE_FLAGS}
-    from .app import StartupError
     try:
         cfg = load(flags)
+        _step("config")
         run(cfg)
     except (ConfigError, StartupError) as e:
         raise UsageError(str(e)) from None
+    except Terminated:
+        print("radixd: stopped by a signal during start-up; nothing was left behind", file=sys.stderr)
+        sys.exit(143)
 
 
 def cmd_health(args) -> None:
@@ -253,7 +263,12 @@ def main(argv: list[str] | None = None) -> None:
     ap = _Parser(prog="radixd", description="KV-cache manager for LLM serving")
     sub = ap.add_subparsers(dest="cmd", required=True)
     serve = sub.add_parser("serve", help="run the server")
-    for name, kw in SERVE_FLAGS:
+    from .config import SCHEMA
+    for name, kw in SERVE_FLAGS:  # values stay text here: config.load reads every source the same way
+        st = SCHEMA[name[2:].replace("-", "_")]
+        kw = {k: v for k, v in kw.items() if k not in ("type", "choices")}
+        if st.choices:
+            kw["help"] = f"{kw['help']} ({', '.join(st.choices)})"
         serve.add_argument(name, default=None, **kw)
     serve.set_defaults(fn=cmd_serve)
     demo = sub.add_parser("demo", help="start a server and run a short demo client against it")

@@ -74,23 +74,142 @@ class Config:
         return " ".join(parts)
 
 
-_LISTS = {"listen", "gpus"}
+@dataclass(frozen=True)
+class Setting:
+    """How one setting is read, whatever its source: its kind, its range or choices, what it means."""
+
+    kind: str  # int | float | bool | str | choice | size | listen | gpus
+    help: str
+    minimum: Optional[float] = None
+    choices: tuple[str, ...] = ()
+    optional: bool = False  # None (unset) is a value; an empty string from a variable means unset
 
 
-def _coerce(name: str, value: Any) -> Any:
-    typ = {f.name: f.type for f in fields(Config)}[name]
-    if name in _LISTS:
-        items = value if isinstance(value, list) else [x for x in str(value).split(",") if x]
-        return [int(x) for x in items] if name == "gpus" else [str(x) for x in items]
-    if isinstance(value, str) and "bool" in str(typ):
-        return value.lower() in ("1", "true", "yes", "on")
-    if "int" in str(typ) and "Optional" not in str(typ):
-        return int(value)
-    if name == "write_through_threshold":
-        return int(value)
-    if "float" in str(typ):
-        return float(value)
-    return value
+_POLICIES = ("lru", "lfu", "fifo", "mru", "filo", "priority", "slru")
+DTYPE_NAMES = ("float16", "bfloat16", "float32", "fp8_e4m3")
+
+SCHEMA: dict[str, Setting] = {
+    "listen": Setting("listen", "unix:PATH or HOST:PORT to serve on (repeatable; a comma list in a variable)"),
+    "device": Setting("choice", "where the pools live: cuda (GPU), cpu (shared memory), auto",
+                      choices=("auto", "cpu", "cuda")),
+    "gpus": Setting("gpus", "GPU ordinals for device pools (comma list)"),
+    "num_slots": Setting("int", "device pool size in tokens", minimum=1),
+    "page_size": Setting("int", "tokens per page (the engine's page / block size)", minimum=1),
+    "eviction_policy": Setting("choice", "which unlocked leaf is evicted first", choices=_POLICIES),
+    "layers": Setting("int", "model layers", minimum=1),
+    "kv_heads": Setting("int", "KV heads per layer on this engine rank", minimum=1),
+    "head_dim": Setting("int", "dimension of one K (or V) head", minimum=1),
+    "dtype": Setting("choice", "KV element type", choices=DTYPE_NAMES),
+    "mla": Setting("bool", "one latent buffer per layer (DeepSeek MLA)"),
+    "host_slots": Setting("int", "host pool size in tokens (0: no host tier)", minimum=0),
+    "host_mem": Setting("size", "host pool size in bytes, e.g. 200GiB", optional=True),
+    "host_ratio": Setting("float", "host tokens = R x device tokens", minimum=0.0),
+    "host_layout": Setting("choice", "host pool layout", choices=("layer_first", "page_first")),
+    "write_policy": Setting("choice", "when device KV is copied to the host tier",
+                            choices=("write_through", "write_through_selective", "write_back")),
+    "write_through_threshold": Setting("int", "inserts before write_through_selective backs a node up",
+                                       minimum=1, optional=True),
+    "load_back_threshold": Setting("int", "smallest host segment (tokens) worth loading back", minimum=0),
+    "storage": Setting("str", "L3 store URL (file://, valkey://, redis+cluster://, mooncake://)"),
+    "storage_write_policy": Setting("choice", "copy host pages to L3 on backup or on host eviction",
+                                    choices=("write_through", "write_back")),
+    "prefetch_threshold": Setting("int", "tokens beyond the host prefix that make a match fetch from L3",
+                                  minimum=1),
+    "prefetch_policy": Setting("choice", "whether a match waits for its L3 prefetch",
+                               choices=("best_effort", "wait_complete", "timeout")),
+    "prefetch_timeout_ms": Setting("int", "how long a match waits under prefetch_policy timeout", minimum=0),
+    "model_id": Setting("str", "model name in storage keys"),
+    "kv_events": Setting("bool", "record KV events (gRPC WatchEvents)"),
+    "kv_events_endpoint": Setting("str", "ZMQ PUB endpoint for KV events (tcp://, ipc://)"),
+    "kv_events_replay_endpoint": Setting("str", "ZMQ ROUTER endpoint replaying KV event batches"),
+    "kv_events_topic": Setting("str", "ZMQ topic of the KV event messages"),
+    "kv_events_buffer": Setting("int", "KV event batches kept for replay", minimum=1),
+    "kv_events_watcher_queue": Setting("int", "batches a gRPC watcher may fall behind", minimum=1),
+    "bigram": Setting("bool", "EAGLE bigram keys (token pairs)"),
+    "metrics_addr": Setting("str", "HOST:PORT of the Prometheus endpoint (port 0 picks one; empty: off)"),
+    "token": Setting("str", "bearer token every call must carry", optional=True),
+    "tls_cert": Setting("str", "PEM certificate for TCP listeners (with tls_key)", optional=True),
+    "tls_key": Setting("str", "PEM private key for tls_cert", optional=True),
+    "allow_remote": Setting("bool", "listen beyond loopback without a token"),
+    "grace_seconds": Setting("float", "how long a shutdown waits for calls in progress", minimum=0.0),
+    "lock_lease_seconds": Setting("float", "release a lock receipt held longer (0: off)", minimum=0.0),
+    "prefault": Setting("bool", "touch every pool page at start"),
+    "model_config": Setting("str", "a Hugging Face config.json for the KV geometry", optional=True),
+    "model": Setting("str", "a bundled model preset for the KV geometry", optional=True),
+    "device_mem": Setting("size", "device pool size in bytes, e.g. 40GiB (instead of num_slots)", optional=True),
+    "tp_size": Setting("int", "the engine's tensor-parallel size (divides the model's KV heads)", minimum=1),
+    "config": Setting("str", "TOML file of settings", optional=True),
+}
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _parse(name: str, value: Any, source: str) -> Any:
+    """One value of one setting, from a flag or variable (a string) or a TOML file (typed), strictly."""
+    st = SCHEMA[name]
+    text = isinstance(value, str)
+    if text and st.optional and value == "":
+        return None
+
+    def bad(what: str) -> ConfigError:
+        return ConfigError(f"{source}: {value!r} is not {what}")
+    if st.kind == "bool":
+        if isinstance(value, bool):
+            return value
+        if text and value.strip().lower() in _TRUE + _FALSE:
+            return value.strip().lower() in _TRUE
+        raise bad("a boolean (true/false, 1/0, yes/no, on/off)")
+    if st.kind == "int":
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if text and value.strip().lstrip("+-").isdigit():
+            return int(value)
+        raise bad("a whole number")
+    if st.kind == "float":
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            v = float(value)
+        elif text:
+            try:
+                v = float(value)
+            except ValueError:
+                raise bad("a number") from None
+        else:
+            raise bad("a number")
+        if v != v or v in (float("inf"), float("-inf")):
+            raise bad("a finite number")
+        return v
+    if st.kind == "choice":
+        if text and value in st.choices:
+            return value
+        raise ConfigError(f"{source}: {value!r} is not one of {', '.join(st.choices)}")
+    if st.kind == "size":
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return str(value)
+        if text:
+            try:
+                parse_bytes(value)
+            except ValueError as e:
+                raise ConfigError(f"{source}: {e}") from None
+            return value
+        raise bad("a size in bytes (e.g. 512MiB, 200GiB)")
+    if st.kind == "listen":
+        items = value if isinstance(value, list) else [x for x in value.split(",") if x] if text else None
+        if not items or not all(isinstance(x, str) and x for x in items):
+            raise bad("a list of addresses (unix:PATH or HOST:PORT)")
+        return list(items)
+    if st.kind == "gpus":
+        items = value if isinstance(value, list) else [x.strip() for x in value.split(",") if x.strip()] \
+            if text else None
+        try:
+            gpus = [int(x) for x in items if not isinstance(x, bool)] if items else []
+        except (TypeError, ValueError):
+            gpus = []
+        if not gpus or len(gpus) != len(items) or min(gpus) < 0:
+            raise bad("a list of GPU ordinals (e.g. 0,1)")
+        return gpus
+    if text:  # str
+        return value
+    raise bad("a string")
 
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2, "mib": 1 << 20,
@@ -126,40 +245,39 @@ class ConfigError(ValueError):
     """A bad setting; the message names where it came from (flag, environment variable or file)."""
 
 
-# Lower bounds of numeric settings (what a pool, a tree or a buffer can be built with).
-_MIN = {"num_slots": 1, "page_size": 1, "layers": 1, "kv_heads": 1, "head_dim": 1, "host_slots": 0,
-        "host_ratio": 0.0, "write_through_threshold": 1, "load_back_threshold": 0, "kv_events_buffer": 1,
-        "kv_events_watcher_queue": 1, "grace_seconds": 0.0, "prefetch_threshold": 1, "prefetch_timeout_ms": 0,
-        "tp_size": 1, "lock_lease_seconds": 0.0}
-
-
 def _set(cfg: Config, name: str, value: Any, source: str, origin: dict[str, str]) -> None:
-    try:
-        v = _coerce(name, value)
-    except (TypeError, ValueError):
-        typ = {f.name: f.type for f in fields(Config)}[name]
-        raise ConfigError(f"{source}: {value!r} is not a valid {typ.replace('Optional[', '').rstrip(']')}") from None
-    setattr(cfg, name, v)
+    setattr(cfg, name, _parse(name, value, source))
     origin[name] = source
 
 
 def _check(cfg: Config, origin: dict[str, str]) -> None:
     def src(name: str) -> str:
         return origin.get(name, f"default {name}")
-    for name, lo in _MIN.items():
-        v = getattr(cfg, name)
-        if v is not None and v < lo:
-            raise ConfigError(f"{src(name)}: {v!r} is below the minimum {lo}")
     if cfg.num_slots % cfg.page_size:
         raise ConfigError(f"{src('num_slots')}: {cfg.num_slots} slots is not a multiple of the page size "
                           f"{cfg.page_size} ({src('page_size')})")
-    for name, allowed in (("storage_write_policy", ("write_through", "write_back")),
-                          ("prefetch_policy", ("best_effort", "wait_complete", "timeout"))):
-        if getattr(cfg, name) not in allowed:
-            raise ConfigError(f"{src(name)}: {getattr(cfg, name)!r} is not one of {', '.join(allowed)}")
+    given = [n for n in ("host_slots", "host_mem", "host_ratio") if getattr(cfg, n)]
+    if len(given) > 1:
+        raise ConfigError(f"{' and '.join(src(n) for n in given)}: give one of host_slots, host_mem, host_ratio")
     if bool(cfg.tls_cert) != bool(cfg.tls_key):
-        given = "tls_cert" if cfg.tls_cert else "tls_key"
-        raise ConfigError(f"{src(given)}: TLS needs both --tls-cert and --tls-key")
+        given1 = "tls_cert" if cfg.tls_cert else "tls_key"
+        raise ConfigError(f"{src(given1)}: TLS needs both --tls-cert and --tls-key")
+    if cfg.tls_cert and cfg.tls_key:
+        import ssl
+        try:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cfg.tls_cert, cfg.tls_key)
+        except OSError as e:  # ssl.SSLError is one
+            why = e.strerror or getattr(e, "reason", None) or str(e)
+            raise ConfigError(f"{src('tls_cert')} / {src('tls_key')}: not a usable PEM certificate and key "
+                              f"({why})") from None
+    for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+        if getattr(cfg, name):
+            _needs(src(name), ("zmq", "pyzmq"), ("msgspec", "msgspec"), extra="events")
+    scheme = cfg.storage.split(":", 1)[0].lower()
+    if scheme.split("+")[0] in ("redis", "rediss", "valkey", "valkeys"):
+        _needs(src("storage"), ("redis", "redis"), extra="storage")
+    elif scheme == "mooncake":
+        _needs(src("storage"), ("mooncake.store", "mooncake-transfer-engine-non-cuda"), extra="mooncake")
     if cfg.metrics_addr and not _host_port(cfg.metrics_addr):
         raise ConfigError(f"{src('metrics_addr')}: {cfg.metrics_addr!r} is not HOST:PORT with a port in 0-65535 "
                           "(or empty to turn metrics off)")
@@ -175,6 +293,17 @@ def _check(cfg: Config, origin: dict[str, str]) -> None:
             parse_bytes(cfg.host_mem)
         except ValueError as e:
             raise ConfigError(f"{src('host_mem')}: {e}") from None
+
+
+def _needs(source: str, *modules: tuple[str, str], extra: str) -> None:
+    """A setting that needs an optional package: one line naming it and the extra that installs it."""
+    import importlib
+    for module, package in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            raise ConfigError(f"{source}: needs {package}, which is not installed: pip install 'radixd[{extra}]'") \
+                from None
 
 
 def _host_port(addr: str) -> bool:
@@ -210,14 +339,31 @@ def load(flags: dict[str, Any], flag_names: Optional[dict[str, str]] = None) -> 
     for k, v in flags.items():
         if v is not None:
             _set(cfg, k, v, (flag_names or {}).get(k, f"--{k.replace('_', '-')}"), origin)
+    _ranges(cfg, origin)  # first: what follows divides by, or sizes with, these
     if cfg.model_config and cfg.model:
         raise ConfigError(f"{origin['model']} and {origin['model_config']}: give one of --model, --model-config")
     if cfg.model_config or cfg.model:
         _apply_model(cfg, origin)
+        _ranges(cfg, origin)
     if cfg.device_mem:
         _size_device(cfg, origin)
     _check(cfg, origin)
+    cfg._origin = origin
     return cfg
+
+
+def source_of(cfg: Config, name: str) -> str:
+    """Where a setting's value came from (the flag, RADIXD_* variable or file and key), for error lines."""
+    origin = getattr(cfg, "_origin", {})
+    return origin.get(name) or f"--{name.replace('_', '-')}"
+
+
+def _ranges(cfg: Config, origin: dict[str, str]) -> None:
+    for name, st in SCHEMA.items():
+        v = getattr(cfg, name)
+        if st.minimum is not None and v is not None and v < st.minimum:
+            where = origin.get(name, f"default {name}")
+            raise ConfigError(f"{where}: {v!r} is below the minimum {st.minimum:g}")
 
 
 def slot_bytes_of(cfg: Config) -> int:
@@ -246,7 +392,7 @@ def _size_device(cfg: Config, origin: dict[str, str]) -> None:
     origin["num_slots"] = f"{src} ({cfg.device_mem})"
 
 
-_DTYPE_NAMES = ("float16", "bfloat16", "float32", "fp8_e4m3")
+_DTYPE_NAMES = DTYPE_NAMES
 
 
 _HF_DTYPES = {"float16": "float16", "half": "float16", "bfloat16": "bfloat16", "float32": "float32",
@@ -278,7 +424,11 @@ def _apply_model(cfg: Config, origin: dict[str, str]) -> None:
         if cfg.model not in PRESETS:
             raise ConfigError(f"{origin['model']}: unknown model {cfg.model!r}; presets: {', '.join(sorted(PRESETS))} "
                               "(or give --model-config PATH/config.json)")
-        for name, value in model_geometry(PRESETS[cfg.model], cfg.tp_size).items():
+        try:
+            geo = model_geometry(PRESETS[cfg.model], cfg.tp_size)
+        except ValueError as e:
+            raise ConfigError(f"{origin['model']} with {origin.get('tp_size', 'tp_size 1')}: {e}") from None
+        for name, value in geo.items():
             if name not in origin:
                 setattr(cfg, name, value)
                 origin[name] = f"{origin['model']} ({cfg.model})"
@@ -287,6 +437,8 @@ def _apply_model(cfg: Config, origin: dict[str, str]) -> None:
     try:
         with open(cfg.model_config) as fh:
             hf = json.load(fh)
+        if not isinstance(hf, dict):
+            raise ValueError(f"the file holds a JSON {type(hf).__name__}, not a config object")
         geo = model_geometry(hf, cfg.tp_size)
     except OSError as e:
         raise ConfigError(f"{src}: {cfg.model_config}: {e.strerror or e}") from None

@@ -23,6 +23,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
+import stat
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -169,6 +171,7 @@ class EventHub:
         self.failed = 0  # batches the publisher could not build (a bug: logged, their seq is a gap)
         self._pub = self._router = self._ctx = None
         self._replay_task: Optional[asyncio.Task] = None
+        self._ipc_paths: list[str] = []  # ipc:// socket files this hub bound (removed at close)
         self._encode = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="radixd-events")
         self._last: Optional[asyncio.Future] = None
@@ -181,6 +184,7 @@ class EventHub:
                 self._pub.setsockopt(zmq.SNDHWM, 100_000)
                 try:
                     self._pub.bind(endpoint)
+                    self._bound(endpoint)
                 except zmq.ZMQError as e:
                     self._pub.close(0)
                     raise ValueError(f"--kv-events-endpoint {endpoint}: cannot bind ({e})") from None
@@ -255,6 +259,7 @@ class EventHub:
             self._router = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
             try:
                 self._router.bind(self._replay_endpoint)
+                self._bound(self._replay_endpoint)
             except zmq.ZMQError as e:
                 self._router.close(0)
                 self._router = None
@@ -278,6 +283,10 @@ class EventHub:
         finally:
             self._router.close(linger=0)
 
+    def _bound(self, endpoint: str) -> None:
+        if endpoint.startswith("ipc://"):
+            self._ipc_paths.append(endpoint[len("ipc://"):])
+
     async def close(self) -> None:
         await self.settled()
         self._pool.shutdown(wait=True)
@@ -286,3 +295,9 @@ class EventHub:
             await asyncio.gather(self._replay_task, return_exceptions=True)
         if self._pub is not None:
             self._pub.close(linger=0)
+        for path in self._ipc_paths:  # ZMQ leaves the socket files of ipc:// endpoints behind
+            try:
+                if stat.S_ISSOCK(os.lstat(path).st_mode):
+                    os.unlink(path)
+            except OSError:
+                pass

@@ -192,9 +192,10 @@ class HostTier:
             waiting = [t.id for t in started] or ([t.id for t, _ in self.backups.values()]
                                                   if not r.evicted_tokens else [])
             if waiting:
-                before = self.dev_alloc.free_pages()
                 await self.engine.wait(waiting, timeout=None)
-                evicted += (self.dev_alloc.free_pages() - before) * self.page
+                # a landed write-back demotes its node: those device slots are what this eviction freed (the
+                # free count alone would also move with other clients' allocations meanwhile)
+                evicted += sum(t.tokens for t in started if t.ok)
             elif not r.evicted_tokens:
                 if partial:
                     break

@@ -47,7 +47,10 @@ class KeyValueStore(Store):
             if not parts.hostname:
                 raise ValueError(f"storage URL {url!r}: give a cluster node ({base}+cluster://HOST:PORT)")
             scheme = "rediss" if secure else "redis"
-            self.client = RedisCluster.from_url(urlunsplit((scheme, parts.netloc, parts.path, rest, "")), **opts)
+            try:  # a cluster client asks for the slot map at once
+                self.client = RedisCluster.from_url(urlunsplit((scheme, parts.netloc, parts.path, rest, "")), **opts)
+            except (redis.exceptions.RedisError, OSError) as e:
+                raise ValueError(f"storage URL {url!r}: the store at {self._where} does not answer ({e})") from None
             self.cluster = True
         elif mode == "":
             if not parts.hostname:
@@ -58,6 +61,10 @@ class KeyValueStore(Store):
         else:
             raise ValueError(f"storage URL {url!r}: unknown mode {mode!r} (use {base}://, {base}+unix://, "
                              f"{base}+cluster://)")
+        try:  # at start the store must answer (later, a store that is down costs misses, never errors)
+            self.client.ping()
+        except self._errors as e:
+            raise ValueError(f"storage URL {url!r}: the store at {self._where} does not answer ({e})") from None
 
     def _fail(self, e: Exception) -> StoreError:
         kind = "timeout" if isinstance(e, self._timeout_cls) else (

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import ctypes
+import socket
 from urllib.parse import urlsplit
 
 import numpy as np
 
 from ..config import parse_bytes
+from ..quiet import native_stderr
 from .base import Store, StoreError
 
 ERRORS = {-200: "no_space", -600: "invalid", -704: "not_found", -705: "exists", -706: "leased",
@@ -43,12 +45,18 @@ class MooncakeStore(Store):
         except ValueError as e:
             raise ValueError(f"storage URL {url!r}: {e}") from None
         self.master = f"{parts.hostname}:{parts.port}"
+        try:  # the client retries a missing master for about 90 s, logging as it goes: ask first, briefly
+            socket.create_connection((parts.hostname, parts.port), timeout=3).close()
+        except OSError as e:
+            raise ValueError(f"storage URL {url!r}: no Mooncake master answers at {self.master} "
+                             f"({e.strerror or e}); start it first") from None
         self.store = MooncakeDistributedStore()
-        rc = self.store.setup(query.get("host", "127.0.0.1"), query.get("metadata", "P2PHANDSHAKE"), segment, buffer,
-                              query.get("protocol", "tcp"), query.get("rdma_devices", ""), self.master)
+        with native_stderr() as said:  # the client's own log lines stay out of the server's one-line refusals
+            rc = self.store.setup(query.get("host", "127.0.0.1"), query.get("metadata", "P2PHANDSHAKE"), segment,
+                                  buffer, query.get("protocol", "tcp"), query.get("rdma_devices", ""), self.master)
         if rc != 0:
-            raise ValueError(f"storage URL {url!r}: cannot set up the Mooncake client (code {rc}); is the master "
-                             f"at {self.master} up?")
+            raise ValueError(f"storage URL {url!r}: cannot set up the Mooncake client (code {rc}"
+                             f"{': ' + said.last_line if said.last_line else ''})")
         self._regions: list[tuple[int, int]] = []
 
     def register(self, buf: np.ndarray) -> None:
