@@ -213,9 +213,9 @@ async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
     state = {"serving": False}
 
     def on_signal() -> None:
+        if not state["serving"] and not stop.is_set():
+            main.cancel()  # once: the clean-up that follows must run to its end
         stop.set()
-        if not state["serving"]:
-            main.cancel()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
     core = None
@@ -376,8 +376,9 @@ async def _run(cfg: Config, core: CacheCore, instance_id: str, sockets: list[str
                                f"({e.strerror or e})") from None
     _step("metrics")
     await asyncio.sleep(0)
-    await server.start()
+    starting = asyncio.ensure_future(server.start())
     try:
+        await asyncio.shield(starting)  # a signal now must not cut gRPC's own start in half
         _step("serving")
         for path in sockets:
             os.chmod(path, 0o600)
@@ -394,6 +395,7 @@ async def _run(cfg: Config, core: CacheCore, instance_id: str, sockets: list[str
               f"bytes_per_token={core.device_pools[0].spec.slot_bytes} instance={instance_id}", flush=True)
         state["serving"] = True  # from here a signal is a graceful stop, not an abandoned start
     except BaseException:
+        await asyncio.wait([starting])
         await server.stop(0)  # a started server must be stopped, or its finaliser complains at exit
         raise
     loop = asyncio.get_running_loop()

@@ -221,9 +221,13 @@ def parse_bytes(text: str) -> int:
     t = text.strip().lower().replace(" ", "")
     num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
     unit = t[len(num):]
-    if not num or unit not in _UNITS:
+    try:
+        value = float(num) if num and unit in _UNITS else -1.0
+    except ValueError:
+        value = -1.0
+    if not value > 0 or value == float("inf"):
         raise ValueError(f"cannot read {text!r} as a size (e.g. 512MiB, 200GiB)")
-    return int(float(num) * _UNITS[unit])
+    return int(value * _UNITS[unit])
 
 
 def host_slots_for(cfg: Config, slot_bytes: int) -> int:
@@ -350,6 +354,26 @@ def load(flags: dict[str, Any], flag_names: Optional[dict[str, str]] = None) -> 
     _check(cfg, origin)
     cfg._origin = origin
     return cfg
+
+
+def settings_table() -> str:
+    """The README's table of every setting: flag, variable, TOML key, default, range (kept equal by a test)."""
+    defaults = Config()
+    rows = ["| flag | variable | TOML key | default | range | what |", "| --- | --- | --- | --- | --- | --- |"]
+    for name, st in SCHEMA.items():
+        d = getattr(defaults, name)
+        default = "unset" if d is None or d == "" else ",".join(map(str, d)) if isinstance(d, list) else str(d)
+        if name == "listen":
+            default = "unix:/tmp/radixd-UID.sock"
+        kind = {"int": "whole number", "float": "number", "bool": "true/false", "str": "text",
+                "size": "bytes (512MiB, 40GiB)", "listen": "unix:PATH or HOST:PORT, repeatable",
+                "gpus": "GPU ordinals"}.get(st.kind, "")
+        rng = " \\| ".join(st.choices) if st.choices else kind
+        if st.minimum is not None:
+            rng += f" >= {st.minimum:g}"
+        rows.append(f"| `--{name.replace('_', '-')}` | `RADIXD_{name.upper()}` | `{name}` | `{default}` | {rng} | "
+                    f"{st.help} |")
+    return "\n".join(rows)
 
 
 def source_of(cfg: Config, name: str) -> str:
