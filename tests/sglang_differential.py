@@ -48,7 +48,7 @@ from sglang.srt.runtime_context import publish  # noqa: E402
 from sglang.srt.server_args import ServerArgs  # noqa: E402
 
 from radixd.client import CacheClient  # noqa: E402
-from radixd.sglang.backend import RadixdRadixCache  # noqa: E402
+from radixd.sglang.backend import RadixdRadixCache, attached  # noqa: E402
 
 LAYERS, HEADS, DIM = 2, 2, 8
 NAMESPACES = [(None, None), (None, None), ("lora-a", None), (None, "tenant-1")]
@@ -90,7 +90,7 @@ class Engine:
             n, node = self.cache.init_load_back(InitLoadBackParams(req.best_match_node, hit, req=req))
             req.last_node = node
             return n
-        if not _attached(self.cache, req.best_match_node):  # the backend refuses before anything
+        if not attached(self.cache, req.best_match_node):  # the backend refuses before anything
             return 0
         device = req.prefix_len
         self.cache.inc_lock_ref(req.best_match_node)  # the backend's steps: pin the prefix, evict if short,
@@ -187,20 +187,11 @@ class Engine:
                    torch.equal(self.kv.v_buffer[i][idx][:, 0, 0], -kv_of(toks, i)) for i in range(LAYERS))
 
 
-def _attached(cache: RadixCache, node: Any) -> bool:
-    while node is not cache.root_node:
-        parent = node.parent
-        if parent is None or parent.children.get(node.key.child_key(cache.page_size)) is not node:
-            return False
-        node = parent
-    return True
-
-
 def structure(cache: RadixCache) -> None:
     """Every child is filed under its own child key and points back at its parent; every evictable leaf is
     in the tree."""
     for leaf in cache.evictable_leaves:
-        assert _attached(cache, leaf), f"evictable leaf {leaf.key} is no longer in the tree"
+        assert attached(cache, leaf), f"evictable leaf {leaf.key} is no longer in the tree"
     stack = [cache.root_node]
     while stack:
         node = stack.pop()

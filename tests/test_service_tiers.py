@@ -55,6 +55,13 @@ def _read(target, slots, tokens, q):
     q.put(ok)
 
 
+def _cache_backed_up(c: CacheClient, *prompts: np.ndarray) -> None:
+    """Cache each prompt in fresh slots and wait for its host backups (if the policy starts any)."""
+    for toks in prompts:
+        ins = c.cache_finished([dict(tokens=toks, indices=c.alloc(len(toks)))])[0]
+        c.wait_transfers(ins.backup_transfer_ids)
+
+
 def _server(page: int, layout: str, policy: str, slots: int = 256, host: int = 1024, *extra: str) -> ServerProc:
     return ServerProc("--num-slots", str(slots), "--page-size", str(page), "--host-slots", str(host),
                       "--host-layout", layout, "--write-policy", policy, "--load-back-threshold", "1",
@@ -106,9 +113,7 @@ def test_refused_load_backs_change_nothing():
     try:
         with CacheClient(srv.target) as c:
             short, long_ = np.arange(1, 5, dtype=np.int32), np.arange(100, 140, dtype=np.int32)
-            for toks in (short, long_):
-                ins = c.cache_finished([dict(tokens=toks, indices=c.alloc(len(toks)))])[0]
-                c.wait_transfers(ins.backup_transfer_ids)
+            _cache_backed_up(c, short, long_)
             c.evict(64)
             before = conserved(c)
             m = c.match_prefix(short, lock=True)
@@ -275,9 +280,7 @@ def test_evict_beyond_what_is_evictable_frees_what_it_can(policy):
     try:
         with CacheClient(srv.target) as c:
             a, b = np.arange(1, 65, dtype=np.int32), np.arange(1000, 1064, dtype=np.int32)
-            for t in (a, b):
-                ins = c.cache_finished([dict(tokens=t, indices=c.alloc(len(t)))])[0]
-                c.wait_transfers(ins.backup_transfer_ids)
+            _cache_backed_up(c, a, b)
             m = c.match_prefix(a, lock=True)
             assert conserved(c)["cached_tokens"] == 128
             assert c.evict(10_000) == 64  # b only: a is locked

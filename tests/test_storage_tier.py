@@ -76,7 +76,8 @@ def test_a_prefetch_that_lands_on_pages_inserted_meanwhile_frees_its_copies(core
         assert core.tree.cached_tokens == core.tree.host_cached_tokens == 0
         op = core.storage.maybe_prefetch(NS, tokens, 0, 0, 0)
         assert op is not None and op.length == len(tokens)
-        assert core.storage.maybe_prefetch(NS, tokens, 0, 0, 0) is op  # a second match joins the first fetch
+        joined = core.storage.maybe_prefetch(NS, tokens, 0, 0, 0)  # a second match joins the first fetch
+        assert joined.op is op and joined.length == len(tokens) and not core.storage.prefetches.keys() - {op.key}
         await _cache(core, tokens)  # an engine prefilled it again while the fetch ran
         await op.done.wait()
         assert (op.outcome, op.loaded) == ("completed", 0)  # every fetched page was a duplicate: freed

@@ -49,6 +49,16 @@ def _ids(tokens: Any) -> np.ndarray:
     return np.asarray(tokens, dtype=np.int32)
 
 
+def attached(cache: RadixCache, node: Any) -> bool:
+    """Whether a node is still in the tree (a match's node may be evicted before its load-back)."""
+    while node is not cache.root_node:
+        parent = node.parent
+        if parent is None or parent.children.get(node.key.child_key(cache.page_size)) is not node:
+            return False
+        node = parent
+    return True
+
+
 @dataclass
 class _Marker:
     """From a match that found pages in radixd to its init_load_back: the lock and where the pages are."""
@@ -128,15 +138,6 @@ class RadixdRadixCache(RadixCache):
                 self.client.unlock([receipt])
             except RadixdError as e:
                 log.warning("radixd unlock failed: %s", e)
-
-    def _attached(self, node: Any) -> bool:
-        """Whether a node is still in the tree (a match's node may be evicted before its load-back)."""
-        while node is not self.root_node:
-            parent = node.parent
-            if parent is None or parent.children.get(node.key.child_key(self.page_size)) is not node:
-                return False
-            node = parent
-        return True
 
     def _drop_marker(self, handle: Any) -> None:
         m = self._markers.pop(handle, None)
@@ -236,7 +237,7 @@ class RadixdRadixCache(RadixCache):
             return 0, last
         try:
             n = params.host_hit_length
-            if n <= 0 or marker.device_len + n > len(marker.path) or not self._attached(last):
+            if n <= 0 or marker.device_len + n > len(marker.path) or not attached(self, last):
                 return 0, last  # (a node evicted since the match: its prefix is gone, so is the hit)
             self.inc_lock_ref(last)  # making room must not evict the prefix the pages continue
             try:
