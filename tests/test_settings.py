@@ -142,8 +142,10 @@ def test_the_reported_examples(tmp_path):
         ((), {}, "metrics_addr = 9100", f"{toml}: metrics_addr"),
         (("--device-mem", "4 TB"), {}, None, "--device-mem"),
         ((), {"RADIXD_HOST_SLOTS": "100000000000000"}, None, "RADIXD_HOST_SLOTS"),
+        ((), {"RADIXD_NUM_SLOTS": "100000000000000"}, None, "lower RADIXD_NUM_SLOTS"),
         ((), {"RADIXD_STORAGE": "ftp://x"}, None, "RADIXD_STORAGE"),
         ((), {}, "host_slots = 100000000000000", f"{toml}: host_slots"),
+        ((), {}, "num_slots = 100000000000000", f"lower {toml}: num_slots"),
         (("--host-slots", "64", "--host-ratio", "2"), {}, None, "--host-slots and --host-ratio"),
         (("--host-slots", "64", "--host-mem", "1GiB"), {}, None, "--host-slots and --host-mem"),
         (("--model", "llama-3.1-8b", "--tp-size", "3"), {}, None, "--tp-size"),
@@ -158,9 +160,9 @@ def test_the_reported_examples(tmp_path):
         if body is not None:
             toml.write_text(f"[radixd]\n{body}\n")
             args += ["--config", str(toml)]
-        if "--device-mem" in args:  # sized from bytes: no --num-slots beside it
+        if "--device-mem" in args or "RADIXD_NUM_SLOTS" in env or "num_slots" in (body or ""):  # no --num-slots
             r = subprocess.run(CLI + ["--device", "cpu", "--listen", sock, *args], capture_output=True, text=True,
-                               timeout=120, env={**os.environ, **env})  # refused in the config: no pools yet
+                               timeout=120, env={**os.environ, **env})  # refused before any pool exists
         else:
             r = _serve("--listen", sock, *args, env=env)
         _one_line(r, where)
