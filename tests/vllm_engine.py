@@ -76,6 +76,9 @@ def main() -> None:
         if args.evict_between:
             from radixd.client import CacheClient
             with CacheClient(args.radixd, attach=False) as c:
+                deadline = time.monotonic() + 10
+                while c.stats()["receipts"] and time.monotonic() < deadline:
+                    time.sleep(0.01)  # the finished request's lock goes on the connector's lookup thread
                 out[-1]["evicted"] = c.evict(1 << 30)
     json.dump(out, open(args.out, "w"))
     print("engine done", flush=True)

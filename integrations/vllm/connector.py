@@ -22,6 +22,8 @@ from __future__ import annotations
 import logging
 import os
 import re
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -82,6 +84,8 @@ class _Req:
     inflight: set[int] = field(default_factory=set)
     finished: bool = False
     storing: bool = True
+    pending: bool = False  # its lookup is still on the lookup thread
+    asked: float = 0.0  # when the lookup was started (a lookup older than the deadline is a miss)
 
 
 def _namespace(request: "Request") -> dict[str, str]:
@@ -99,6 +103,7 @@ class RadixdConnector(KVConnectorBase_V1):
             "unix://" + DEFAULT_SOCKET[len("unix:"):]
         self.token = extra.get("radixd_token") or os.environ.get("RADIXD_TOKEN")
         self.load_back = str(extra.get("load_back", "true")).lower() not in ("0", "false", "no")
+        self.lookup_deadline = float(extra.get("lookup_deadline_ms", 200)) / 1000  # then a lookup is a miss
         self.block_size = vllm_config.cache_config.block_size
         self.cache_dtype = vllm_config.cache_config.cache_dtype
         self.model_dtype = vllm_config.model_config.dtype
@@ -113,8 +118,12 @@ class RadixdConnector(KVConnectorBase_V1):
             self._worker = _Worker(self)
 
     # ------------------------------------------------------------ scheduler side
+    def on_new_request(self, request: "Request") -> None:
+        self._sched.arrived(request)
+
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self._sched.matched(request, num_computed_tokens), False
+        n = self._sched.matched(request, num_computed_tokens)
+        return n, False
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
         self._sched.allocated(request, num_external_tokens)
@@ -163,8 +172,150 @@ class RadixdConnector(KVConnectorBase_V1):
             self._worker.close()
 
 
+class _Lookups:
+    """radixd calls off the scheduler thread: prefix lookups (one MatchPrefix with lock per namespace for every
+    request that arrived since the last round, load-backs of host hits waited for here) and releases (one
+    Unlock for every receipt let go since the last round). The scheduler never waits on them."""
+
+    def __init__(self, client: CacheClient, load_back: bool):
+        self.client, self.load_back = client, load_back
+        self._cv = threading.Condition()
+        self._queue: list[tuple[str, np.ndarray, tuple]] = []
+        self._unlocks: list[int] = []
+        self._done: dict[str, tuple[np.ndarray, int]] = {}
+        self._dropped: set[str] = set()  # given up on while in flight: released once they land
+        self._busy = False
+        self._stop = False
+        self.rpcs = 0  # calls made here (for tests and benchmarks)
+        self._thread = threading.Thread(target=self._run, name="radixd-lookups", daemon=True)
+        self._thread.start()
+
+    def submit(self, rid: str, tokens: np.ndarray, ns: dict[str, str]) -> None:
+        with self._cv:
+            self._queue.append((rid, tokens, tuple(sorted(ns.items()))))
+            self._cv.notify()
+
+    def take(self, rid: str) -> Optional[tuple[np.ndarray, int]]:
+        with self._cv:
+            return self._done.pop(rid, None)
+
+    def drop(self, rid: str) -> None:
+        """The scheduler stopped waiting for this lookup: whatever it locked is released."""
+        with self._cv:
+            done = self._done.pop(rid, None)
+            if done is None:
+                self._dropped.add(rid)
+            elif done[1]:
+                self._unlocks.append(done[1])
+                self._cv.notify()
+
+    def release(self, receipt: int) -> None:
+        if receipt:
+            with self._cv:
+                self._unlocks.append(receipt)
+                self._cv.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._queue or self._unlocks or self._stop):
+                    self._cv.wait()
+                if self._stop and not self._queue and not self._unlocks:
+                    return
+                batch, self._queue = self._queue, []
+                unlocks, self._unlocks = self._unlocks, []
+                self._busy = True
+            results, failed = {}, []
+            try:
+                if unlocks:
+                    self._unlock(unlocks)
+                if batch:
+                    results, failed = self._lookup(batch)
+            finally:
+                with self._cv:
+                    self._busy = False
+                    late = []
+                    for rid, res in results.items():
+                        if rid in self._dropped:
+                            self._dropped.discard(rid)
+                            late.append(res[1])
+                        else:
+                            self._done[rid] = res
+                    self._unlocks.extend(r for r in late + failed if r)
+                    self._cv.notify_all()
+
+    def _unlock(self, receipts: list[int]) -> None:
+        try:
+            self.rpcs += 1
+            self.client.unlock(receipts)
+        except RadixdError as e:  # one stale receipt fails the call: release the rest one by one
+            log.info("radixd unlock of %d receipts failed (%s); retrying one by one", len(receipts), e)
+            for r in receipts:
+                try:
+                    self.rpcs += 1
+                    self.client.unlock([r])
+                except RadixdError:
+                    pass
+
+    def _lookup(self, batch: list) -> tuple[dict[str, tuple[np.ndarray, int]], list[int]]:
+        """Each request's locked prefix (empty on a miss or an error), and receipts of loads that failed."""
+        out: dict[str, tuple[np.ndarray, int]] = {}
+        failed_receipts: list[int] = []
+        groups: dict[tuple, list] = {}
+        for rid, tokens, ns in batch:
+            groups.setdefault(ns, []).append((rid, tokens))
+        for ns, items in groups.items():
+            try:
+                self.rpcs += 1
+                matches = self.client.match_batch([t for _, t in items], lock=True, **dict(ns))
+            except RadixdError as e:  # radixd down or refusing: misses, never failed requests
+                log.warning("radixd match failed: %s", e)
+                for rid, _ in items:
+                    out[rid] = (_EMPTY, 0)
+                continue
+            loads = []
+            for (rid, _), m in zip(items, matches):
+                out[rid] = (m.indices, m.receipt_id)
+                if self.load_back and m.host_hit_len:
+                    try:
+                        self.rpcs += 1
+                        lb = self.client.load_back(m.receipt_id)
+                        out[rid] = (lb.indices, lb.receipt_id)
+                        if lb.loaded_len:
+                            loads.append((rid, lb.transfer_id))
+                    except RadixdError as e:
+                        log.warning("radixd load-back failed: %s", e)
+            if loads:
+                try:
+                    self.rpcs += 1
+                    _, failed = self.client.wait_transfers([t for _, t in loads])
+                except RadixdError as e:
+                    failed = [t for _, t in loads]
+                    log.warning("radixd wait for load-backs failed: %s", e)
+                for rid, t in loads:
+                    if t in failed:  # its pages never arrived: a miss (its lock goes with the others)
+                        failed_receipts.append(out[rid][1])
+                        out[rid] = (_EMPTY, 0)
+        return out, failed_receipts
+
+    def idle(self) -> bool:
+        with self._cv:
+            return not (self._queue or self._busy)
+
+    def close(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        self._thread.join(timeout=30)
+
+
+_EMPTY = np.zeros(0, np.int64)
+
+
 class _Scheduler:
-    """Per-engine bookkeeping: what each request locked in radixd, loads, and stores in flight."""
+    """Per-engine bookkeeping: what each request locked in radixd, loads, and stores in flight. On the scheduler
+    thread it makes at most two calls a step, both batched over every request of the step: one Alloc for the
+    pages to store and one CacheUnfinished to publish them; lookups and releases run on `_Lookups`."""
 
     def __init__(self, conn: RadixdConnector):
         self.conn = conn
@@ -178,46 +329,52 @@ class _Scheduler:
         self.stores: dict[int, tuple[str, int, int, np.ndarray]] = {}  # id -> (request, start, end, slots)
         self._next = 0
         self.hits = 0  # tokens loaded from radixd (for tests and logs)
+        self.rpcs = 0  # calls made on the scheduler thread
+        self.lookups = _Lookups(self.client, conn.load_back)
 
     def _align(self, n: int) -> int:
         return max(n, 0) - max(n, 0) % self.page
 
     def _release(self, st: _Req) -> None:
-        if st.receipt:
-            try:
-                self.client.unlock([st.receipt])
-            except RadixdError as e:
-                log.warning("radixd unlock failed: %s", e)
-            st.receipt = 0
+        self.lookups.release(st.receipt)
+        st.receipt = 0
 
-    def matched(self, request: "Request", num_computed: int) -> int:
-        toks = request.prompt_token_ids
+    def arrived(self, request: "Request") -> None:
+        """A request was queued: start its lookup now, so its answer is there when it is scheduled."""
         rid = request.request_id
-        old = self.reqs.pop(rid, None)
-        if old is not None:  # asked again (not scheduled last time): start over
-            self._release(old)
-        if toks is None:
-            return 0
-        st = _Req(list(toks), _namespace(request), local=num_computed)
+        if rid in self.reqs or request.prompt_token_ids is None:
+            return
+        toks = request.prompt_token_ids
+        st = _Req(list(toks), _namespace(request))
         self.reqs[rid] = st
         n = self._align(len(toks) - 1)  # the engine always computes the last prompt token itself
-        if n == 0:
-            return 0
-        try:  # asked even when vLLM has it all: radixd's prefix is where this request's stores begin
-            m = self.client.match_prefix(np.asarray(toks[:n], dtype=np.int32), lock=True, **st.ns)
-            st.prefix, st.receipt = m.indices, m.receipt_id
-            if self.conn.load_back and m.host_hit_len:
-                lb = self.client.load_back(m.receipt_id)
-                if lb.loaded_len:
-                    _, failed = self.client.wait_transfers([lb.transfer_id])
-                    if failed:
-                        raise RadixdError(f"load-back transfer {lb.transfer_id} failed")
-                st.prefix, st.receipt = lb.indices, lb.receipt_id
-        except RadixdError as e:  # radixd down or refusing: a miss, never a failed request
-            log.warning("radixd match failed: %s", e)
-            self._release(st)
-            st.prefix = np.zeros(0, np.int64)
-        st.planned = len(st.prefix)
+        if n:
+            st.pending, st.asked = True, time.monotonic()
+            self.lookups.submit(rid, np.asarray(toks[:n], dtype=np.int32), st.ns)
+
+    def matched(self, request: "Request", num_computed: int) -> Optional[int]:
+        """Tokens radixd holds beyond vLLM's own; None while the lookup is still on its way (asked again next
+        step); a lookup past its deadline is a miss."""
+        rid = request.request_id
+        st = self.reqs.get(rid)
+        if st is None:
+            self.arrived(request)
+            st = self.reqs.get(rid)
+            if st is None:
+                return 0
+        if st.pending:
+            res = self.lookups.take(rid)
+            if res is None:
+                if time.monotonic() - st.asked < self.conn.lookup_deadline:
+                    return None
+                self.lookups.drop(rid)
+                log.info("radixd lookup for %s took longer than %.0f ms: a miss", rid,
+                         self.conn.lookup_deadline * 1e3)
+                res = (_EMPTY, 0)
+            st.pending = False
+            st.prefix, st.receipt = res
+            st.planned = len(st.prefix)
+        st.local = num_computed
         return max(len(st.prefix) - num_computed, 0)
 
     def allocated(self, request: "Request", num_external: int) -> None:
@@ -227,6 +384,7 @@ class _Scheduler:
 
     def build(self, so: "SchedulerOutput") -> RadixdConnectorMetadata:
         meta = RadixdConnectorMetadata()
+        self._plans: list[tuple[str, _Req, int, int]] = []
         for nr in so.scheduled_new_reqs:
             st = self.reqs.get(nr.req_id)
             if st is None:
@@ -250,28 +408,43 @@ class _Scheduler:
             elif nb:
                 st.blocks.extend(nb[0])
             self._plan(rid, st, cr.num_computed_tokens[i] + so.num_scheduled_tokens[rid], meta)
+        self._allocate(meta)
         return meta
 
     def _plan(self, rid: str, st: _Req, computed_after: int, meta: RadixdConnectorMetadata) -> None:
-        """Give radixd slots to the prompt pages this step completes beyond what radixd has."""
+        """Note the prompt pages this step completes beyond what radixd has (slots come in `_allocate`)."""
         end = min(self._align(computed_after), self._align(len(st.tokens)))
         start = st.planned
-        if not st.storing or st.finished or end <= start or end // self.page > len(st.blocks):
+        if not st.storing or st.finished or st.pending or end <= start or end // self.page > len(st.blocks):
+            return
+        self._plans.append((rid, st, start, end))
+
+    def _allocate(self, meta: RadixdConnectorMetadata) -> None:
+        """One Alloc for every page the step stores."""
+        plans, self._plans = self._plans, []
+        if not plans:
             return
         try:
-            slots = np.asarray(self.client.alloc(end - start), dtype=np.int64)
-        except RadixdError as e:  # radixd is full of locked pages: this request is not cached there
-            log.info("radixd alloc failed (%s); not storing request %s", e, rid)
-            st.storing = False
+            self.rpcs += 1
+            got = self.client.alloc([end - start for _, _, start, end in plans])
+        except RadixdError as e:  # radixd is full of locked pages: this step's pages are not cached there
+            log.info("radixd alloc failed (%s); not storing %d requests", e, len(plans))
+            for _, st, _, _ in plans:
+                st.storing = False
             return
-        self._next += 1
-        self.stores[self._next] = (rid, start, end, slots)
-        st.inflight.add(self._next)
-        st.planned = end
-        meta.stores.append((self._next, st.blocks[start // self.page:end // self.page], slots[::self.page].tolist()))
+        for (rid, st, start, end), slots in zip(plans, got):
+            slots = np.asarray(slots, dtype=np.int64)
+            self._next += 1
+            self.stores[self._next] = (rid, start, end, slots)
+            st.inflight.add(self._next)
+            st.planned = end
+            meta.stores.append((self._next, st.blocks[start // self.page:end // self.page],
+                                slots[::self.page].tolist()))
 
     def stored(self, ids: set[int]) -> None:
-        """Workers copied these stores: publish each in order, then finish requests waiting on them."""
+        """Workers copied these stores: publish them all in one CacheUnfinished, then finish requests that
+        waited on them."""
+        items, owners, lost = [], [], []
         for sid in sorted(ids):
             entry = self.stores.pop(sid, None)
             if entry is None:
@@ -279,28 +452,36 @@ class _Scheduler:
             rid, start, end, slots = entry
             st = self.reqs.get(rid)
             if st is None:
-                self._free(slots)
+                lost.append(slots)
                 continue
             st.inflight.discard(sid)
-            if start != len(st.prefix):  # an earlier piece was lost: this one cannot attach
-                self._free(slots)
+            if start != len(st.prefix) or any(o is st for o, _ in owners):  # cannot attach (yet): dropped
+                lost.append(slots)
                 st.storing = False
-            else:
-                try:
-                    _, m = self.client.cache_unfinished([dict(
-                        tokens=np.asarray(st.tokens[:end], dtype=np.int32),
-                        indices=np.concatenate([st.prefix, slots]), prev_prefix_len=len(st.prefix),
-                        receipt_id=st.receipt, **st.ns)])[0]
+                continue
+            items.append(dict(tokens=np.asarray(st.tokens[:end], dtype=np.int32),
+                              indices=np.concatenate([st.prefix, slots]), prev_prefix_len=len(st.prefix),
+                              receipt_id=st.receipt, **st.ns))
+            owners.append((st, slots))
+        if items:
+            try:
+                self.rpcs += 1
+                res = self.client.cache_unfinished(items)
+                for (st, _), (_, m) in zip(owners, res):
                     st.prefix, st.receipt = m.indices, m.receipt_id
-                except RadixdError as e:
-                    log.warning("radixd publish failed: %s", e)
-                    self._free(slots)
+            except RadixdError as e:
+                log.warning("radixd publish of %d requests failed: %s", len(items), e)
+                for st, slots in owners:
+                    lost.append(slots)
                     st.storing = False
-            if st.finished and not st.inflight:
-                self._finish(rid)
+        if lost:
+            self._free(np.concatenate(lost))
+        for rid in [rid for rid, st in self.reqs.items() if st.finished and not st.inflight]:
+            self._finish(rid)
 
     def _free(self, slots: np.ndarray) -> None:
         try:
+            self.rpcs += 1
             self.client.free(slots)
         except RadixdError as e:
             log.warning("radixd free failed: %s", e)
@@ -310,6 +491,9 @@ class _Scheduler:
         if st is None:
             return
         st.finished = True
+        if st.pending:  # finished (or aborted) before its lookup came back
+            st.pending = False
+            self.lookups.drop(rid)
         if not st.inflight:  # otherwise the workers' report of this step's stores finishes it
             self._finish(rid)
 
@@ -319,7 +503,10 @@ class _Scheduler:
 
     def close(self) -> None:
         for rid in list(self.reqs):
+            if self.reqs[rid].pending:
+                self.lookups.drop(rid)
             self._finish(rid)
+        self.lookups.close()
         self.client.close()
 
 
