@@ -47,8 +47,12 @@ BAD_SERVE = [  # (argv after `serve`, extra environment, text the one line must 
 
 
 def _run(argv, env=None, timeout=60):
-    return subprocess.run(CLI + argv, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+    """One CLI run; a shared-memory segment the process left behind shows as a last line 'left NAME'."""
+    p = subprocess.Popen(CLI + argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, **(env or {})})
+    out, err = p.communicate(timeout=timeout)
+    left = sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"radixd-{p.pid}-"))
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err + "".join(f"left {n}\n" for n in left))
 
 
 @pytest.mark.parametrize("argv,env,names", BAD_SERVE, ids=[" ".join(a) or next(iter(e)) for a, e, _ in BAD_SERVE])
@@ -83,10 +87,6 @@ def test_health_answers_serving(server):
     assert r.returncode == 0 and r.stdout.strip() == "SERVING"
 
 
-def _segments() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith("radixd-")}
-
-
 @pytest.mark.parametrize("argv,flag", [
     (["--num-slots", "4000000", "--layers", "32", "--kv-heads", "8", "--head-dim", "128"], "--num-slots"),
     (["--num-slots", "100000000000"], "--num-slots"),
@@ -94,19 +94,17 @@ def _segments() -> set[str]:
     (["--device-mem", "4 TB"], "lower --device-mem (4 TB)"),
 ])
 def test_pools_that_cannot_be_backed_are_refused_at_start(argv, flag, tmp_path):
-    before = _segments()
     r = _run(["serve", "--listen", f"unix:{tmp_path}/s.sock", *argv])
     assert r.returncode == 2 and "Traceback" not in r.stderr
     line = r.stderr.strip().splitlines()[-1]
     assert "of shared memory" in line and "GB free" in line and flag in line, line
-    assert _segments() <= before and not os.path.exists(tmp_path / "s.sock")
+    assert "left radixd-" not in r.stderr and not os.path.exists(tmp_path / "s.sock")
 
 
 def test_a_failed_start_after_the_pools_leaves_nothing_behind(tmp_path):
-    before = _segments()
     r = _run(["serve", "--num-slots", "4096", "--host-slots", "4096", "--listen", f"unix:{tmp_path}/no/such/dir.sock"])
     assert r.returncode == 2 and "does not exist" in r.stderr and len(r.stderr.strip().splitlines()) == 1
-    assert _segments() <= before  # the device and host pools were created, then removed
+    assert "left radixd-" not in r.stderr  # the device and host pools were created, then removed
 
 
 def test_prefault_starts_and_serves(tmp_path):
@@ -143,7 +141,6 @@ def test_model_config_sets_the_kv_geometry_and_flags_win(tmp_path):
 def test_a_failure_at_any_start_up_step_leaves_nothing_behind(step, tmp_path):
     from radixd.server.app import START_STEPS
     assert step in START_STEPS
-    before = _segments()
     sock = tmp_path / "s.sock"
     r = _run(["serve", "--device", "cpu", "--num-slots", "1024", "--host-slots", "2048", "--listen", f"unix:{sock}",
               "--storage", f"file://{tmp_path}/l3", "--kv-events-replay-endpoint", f"ipc://{tmp_path}/replay"],
@@ -151,7 +148,7 @@ def test_a_failure_at_any_start_up_step_leaves_nothing_behind(step, tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.strip().splitlines()[-1] == f"radixd: injected failure at start-up step {step!r} " \
                                                 "(RADIXD_TEST_FAIL_AT)"
-    assert _segments() <= before and not sock.exists()
+    assert "left radixd-" not in r.stderr and not sock.exists()
 
 
 # Every `radixd serve` flag with a value that cannot work: one line naming the flag, exit status 2.
