@@ -219,6 +219,16 @@ def test_a_missing_extra_is_one_line_naming_it(tmp_path):
               "--storage", "radixd[storage]")
     _one_line(_serve("--listen", sock, "--host-slots", "64", "--storage", "mooncake://127.0.0.1:1", env=env),
               "--storage", "radixd[mooncake]")
+    for mod in ("rich", "matplotlib"):
+        (shadow / mod).mkdir(parents=True)
+        (shadow / mod / "__init__.py").write_text(f"raise ImportError('No module named {mod}')\n")
+    base = [sys.executable, "-m", "radixd.server.cli"]
+    r = subprocess.run(base + ["top", "--target", f"unix://{tmp_path}/none.sock"], capture_output=True, text=True,
+                       timeout=120, env={**os.environ, **env})
+    _one_line(r, "radixd[top]")
+    r = subprocess.run(base + ["simulate", "--requests", "20", "--capacity", "4096", "--out", str(tmp_path / "sim")],
+                       capture_output=True, text=True, timeout=300, env={**os.environ, **env})
+    assert r.returncode == 0 and "radixd[plots]" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
 
 
 def test_a_store_that_is_not_there_is_refused_at_start_quickly(tmp_path):
