@@ -8,9 +8,18 @@ Engines run in vLLM's venv (`.venv-vllm`, built by .ci/run; or RADIXD_VLLM_PYTHO
 Each engine first serves a short warm-up prompt, and each length one more (not timed); then --repeat
 distinct prompts per length are timed.
 
-    python bench/vllm_bench.py [--lengths 1024,2048,4096,8192] [--repeat 3]
+The scheduler's side: for each batch size in --batches, engines A (cold radixd, every request a miss that
+stores) and B (warm, every request a hit) serve --batch-prompts prompts of --batch-len tokens, that many
+submitted together, and report what the connector cost vLLM's scheduler thread: per request the time in its
+hooks (p50, p99; a step-wide hook's time is shared by the step's requests), the same less the time it waited
+for a lookup while the engine had nothing else to run ("busy": what it kept the scheduler from other work),
+and radixd calls per step made on the scheduler thread (an Alloc when the slot stock runs short) and on the
+connector's lookup thread (MatchPrefix, LoadBack).
 
-Last line: RESULT ttft_x_<len>=<C/B> ... miss_overhead_<len>=<A/C> ...
+    python bench/vllm_bench.py [--lengths 512,1024,2048,4096] [--repeat 3] [--batches 1,16,128]
+
+Last line: RESULT ttft_x_<len>=<C/B> ... miss_overhead_<len>=<A/C> ... sched_p50_us_<miss|hit>_<batch>=...
+max_rpcs_per_step_<miss|hit>_<batch>=...
 """
 from __future__ import annotations
 
@@ -40,13 +49,17 @@ def _python() -> str:
     raise SystemExit("no vLLM venv: run .ci/run once (it builds .venv-vllm) or set RADIXD_VLLM_PYTHON")
 
 
-def _engine(py: str, model: str, prompts: list[list[int]], target: str, max_len: int) -> list[dict]:
+def _engine(py: str, model: str, prompts: list[list[int]], target: str, max_len: int, batch: int = 1,
+            stats: str = "") -> list[dict]:
     d = tempfile.mkdtemp(prefix="radixd-vllm-bench-")
     pj, oj = os.path.join(d, "p.json"), os.path.join(d, "o.json")
     json.dump(prompts, open(pj, "w"))
-    cmd = [py, str(ENGINE), model, pj, oj, "--max-tokens", "1", "--max-model-len", str(max_len)]
+    cmd = [py, str(ENGINE), model, pj, oj, "--max-tokens", "1", "--max-model-len", str(max_len),
+           "--batch", str(batch)]
     if target:
         cmd += ["--radixd", target]
+    if stats:
+        cmd += ["--stats", stats]
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": ""}
     with open(os.path.join(d, "log"), "w") as log:
         p = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -62,8 +75,11 @@ def _engine(py: str, model: str, prompts: list[list[int]], target: str, max_len:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--lengths", default="1024,2048,4096,8192")
+    ap.add_argument("--lengths", default="512,1024,2048,4096")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--batches", default="1,16,128", help="batch sizes for the scheduler-side costs ('' skips)")
+    ap.add_argument("--batch-len", type=int, default=256)
+    ap.add_argument("--batch-prompts", type=int, default=256)
     args = ap.parse_args()
     py = _python()
     model = tempfile.mkdtemp(prefix="radixd-vllm-bench-model-")
@@ -94,7 +110,36 @@ def main() -> None:
         assert all(x["tokens"] == y["tokens"] for x, y in zip(b[sl], c[sl])), "a hit changed the output"
         results[f"ttft_x_{n}"], results[f"miss_overhead_{n}"] = tc / tb, ta / tc
         print(f"{n:7d} {tc * 1e3:13.1f} {ta * 1e3:10.1f} {tb * 1e3:9.1f} {cached:9d} {tc / tb:9.2f} {ta / tc:9.2f}")
+    if args.batches:
+        results.update(_scheduler_side(py, model, args))
     print("RESULT " + " ".join(f"{k}={v:.3f}" for k, v in results.items()))
+
+
+def _scheduler_side(py: str, model: str, args) -> dict[str, float]:
+    """The connector's cost on vLLM's scheduler thread at each batch size, on misses (A) and hits (B)."""
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 512) for _ in range(args.batch_len)] for _ in range(args.batch_prompts)]
+    out: dict[str, float] = {}
+    print(f"\n{'batch':>5} {'mode':>4} {'requests':>8} {'steps':>6} {'p50 us':>8} {'p99 us':>8} {'busy p50':>8} "
+          f"{'busy p99':>8} {'rpcs/step max':>13} {'mean':>5} {'lookup rpcs/step max':>20} {'mean':>5}")
+    for batch in [int(x) for x in args.batches.split(",")]:
+        srv = ServerProc("--num-slots", str(max(65536, 2 * args.batch_len * args.batch_prompts)),
+                         "--page-size", str(BLOCK), "--model-config", os.path.join(model, "config.json"))
+        try:
+            for mode in ("miss", "hit"):  # the first engine stores every prompt, the second finds them all
+                path = tempfile.mktemp(prefix="radixd-vllm-stats-")
+                _engine(py, model, prompts, srv.target, args.batch_len + 2 * BLOCK, batch, path)
+                st = json.load(open(path))
+                print(f"{batch:5d} {mode:>4} {st['requests']:8d} {st['steps']:6d} {st['p50_us']:8.0f} "
+                      f"{st['p99_us']:8.0f} {st['busy_p50_us']:8.0f} {st['busy_p99_us']:8.0f} {st['max_rpcs_per_step']:13d} {st['mean_rpcs_per_step']:5.2f} "
+                      f"{st['max_lookup_rpcs_per_step']:20d} {st['mean_lookup_rpcs_per_step']:5.2f}")
+                out[f"sched_p50_us_{mode}_{batch}"] = st["p50_us"]
+                out[f"sched_p99_us_{mode}_{batch}"] = st["p99_us"]
+                out[f"sched_busy_p50_us_{mode}_{batch}"] = st["busy_p50_us"]
+                out[f"max_rpcs_per_step_{mode}_{batch}"] = st["max_rpcs_per_step"]
+        finally:
+            srv.stop()
+    return out
 
 
 if __name__ == "__main__":

@@ -183,6 +183,18 @@ def test_a_killed_engine_leaves_no_lock_and_no_slot_behind(model_dir):
 
 
 @needs_vllm
+def test_the_scheduler_thread_never_waits_on_a_stopped_radixd_while_it_has_other_work():
+    srv = ServerProc("--num-slots", "4096", "--page-size", str(BLOCK))
+    try:
+        r = subprocess.run([VLLM_PY, str(Path(__file__).parent / "vllm_scheduler_check.py"), srv.target,
+                            str(srv.proc.pid)], capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "PYTHONPATH": ""})
+        assert r.returncode == 0 and r.stdout.strip().splitlines()[-1:] == ["ok"], r.stdout[-2000:] + r.stderr[-3000:]
+    finally:
+        srv.stop()
+
+
+@needs_vllm
 def test_a_geometry_mismatch_fails_the_engine_start_in_plain_words(model_dir):
     srv = ServerProc("--num-slots", "8192", "--page-size", str(BLOCK), "--layers", str(LAYERS), "--kv-heads",
                      str(KV_HEADS), "--head-dim", "64", "--dtype", "float32")

@@ -3,7 +3,7 @@
     python tests/vllm_engine.py MODEL_DIR [PROMPTS.json OUT.json] [--radixd TARGET] [--max-tokens N]
 
 Builds the model (seeded random Llama weights, WordLevel tokenizer) into MODEL_DIR when it is not there,
-generates greedily for each prompt (token ids) one request at a time, and writes per prompt the generated
+generates greedily for each prompt (token ids), --batch at a time (default one), and writes per prompt the generated
 token ids and `num_cached_tokens`. With --radixd the engine uses `radixd.vllm.RadixdConnector`.
 """
 from __future__ import annotations
@@ -50,6 +50,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--evict-between", action="store_true", help="empty radixd's device tier after each prompt")
+    ap.add_argument("--batch", type=int, default=1, help="prompts submitted together (one generate call)")
+    ap.add_argument("--stats", default="", help="write the connector's scheduler-side costs here (in-process "
+                                                "engine only)")
     args = ap.parse_args()
     if not os.path.exists(os.path.join(args.model_dir, "model.safetensors")):
         build_model(args.model_dir)
@@ -68,11 +71,13 @@ def main() -> None:
     prompts = json.load(open(args.prompts))
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     out = []
-    for p in prompts:
+    for i in range(0, len(prompts), args.batch):
+        group = prompts[i:i + args.batch]
         t0 = time.perf_counter()
-        r = llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0]
-        out.append(dict(tokens=list(r.outputs[0].token_ids), cached=r.num_cached_tokens or 0,
-                        seconds=time.perf_counter() - t0))
+        rs = llm.generate([{"prompt_token_ids": p} for p in group], sp, use_tqdm=False)
+        took = time.perf_counter() - t0
+        out += [dict(tokens=list(r.outputs[0].token_ids), cached=r.num_cached_tokens or 0, seconds=took)
+                for r in rs]
         if args.evict_between:
             from radixd.client import CacheClient
             with CacheClient(args.radixd, attach=False) as c:
@@ -80,6 +85,10 @@ def main() -> None:
                 while c.stats()["receipts"] and time.monotonic() < deadline:
                     time.sleep(0.01)  # the finished request's lock goes on the connector's lookup thread
                 out[-1]["evicted"] = c.evict(1 << 30)
+    if args.stats:
+        from radixd.vllm.connector import scheduler_stats
+        connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
+        json.dump(scheduler_stats(connector), open(args.stats, "w"))
     json.dump(out, open(args.out, "w"))
     print("engine done", flush=True)
     sys.stdout.flush()

@@ -1,21 +1,28 @@
 """`RadixdConnector`: radixd as the shared, external KV tier of vLLM engines (vLLM 0.32.0's KV connector API).
 
 vLLM keeps its own block pool; radixd is the tier behind it that outlives engines and is shared by them.
-Scheduler side (one radixd session per engine, so a dead engine loses its locks and slots within a second):
-  get_num_new_matched_tokens  MatchPrefix(lock) on the prompt (page aligned, before its last token), a
-                              LoadBack first when radixd holds more on its host tier; the pages beyond
-                              vLLM's own hit are the external hit;
+Scheduler side (one radixd session per engine, so a dead engine loses its locks and slots within a second).
+No radixd call blocks vLLM's scheduler thread in the steady state:
+  on_new_request              starts the lookup: MatchPrefix(lock) on the prompt's whole pages, batched with
+                              every request that arrived meanwhile, on the lookup thread (a LoadBack first,
+                              and its copy waited for there, when radixd holds more on its host tier);
+  get_num_new_matched_tokens  the pages beyond vLLM's own hit (never the last prompt token); None ("ask
+                              again next step") while the lookup is out and the engine has other requests;
+                              with nothing else to run it waits for the answer; past `lookup_deadline_ms`
+                              it is a miss;
   update_state_after_alloc    remembers which tokens to load (or nothing);
   build_connector_meta        loads (radixd pages -> the request's new blocks) and stores: prompt pages
-                              computed by this step beyond what radixd has get radixd slots (Alloc);
-  update_connector_output     the workers report stores done: the pages are published (CacheUnfinished,
-                              which frees duplicates and re-locks the longer prefix);
-  request_finished            publishes what is still pending, then releases the lock.
+                              computed by this step beyond what radixd has get slots from a stock of held
+                              radixd slots the store thread keeps filled (one Alloc here when it is short);
+  update_connector_output     the workers report stores done: the store thread publishes them, one
+                              CacheUnfinished for all (it frees duplicates and re-locks the longer prefix);
+  request_finished            the store thread releases the request's lock after its last publish.
 Worker side: maps radixd's device pool, checks the geometry, and copies whole pages (`start_load_kv` before
 the forward, stores in `wait_for_save` after it; on a side stream on GPU, waited for before returning),
 converting layouts exactly.
 Configure with `kv_connector_extra_config`: `radixd_target` (default `$RADIXD_TARGET` or the default
-socket), `radixd_token`, `load_back` (default true).
+socket), `radixd_token`, `load_back` (default true), `lookup_deadline_ms` (default 200),
+`slot_stock_tokens` (the most slots held ready for stores, default 8192).
 """
 from __future__ import annotations
 
@@ -24,6 +31,7 @@ import os
 import re
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -75,8 +83,7 @@ class RadixdWorkerMetadata(KVConnectorWorkerMetadata):
 class _Req:
     tokens: list[int]
     ns: dict[str, str]
-    receipt: int = 0
-    prefix: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # radixd slots, locked
+    prefix: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # radixd's hit (locked), for loads
     local: int = 0  # vLLM's own computed tokens when matched
     load: Optional[tuple[int, int]] = None  # (first token, tokens) to load this step
     blocks: list[int] = field(default_factory=list)
@@ -104,6 +111,7 @@ class RadixdConnector(KVConnectorBase_V1):
         self.token = extra.get("radixd_token") or os.environ.get("RADIXD_TOKEN")
         self.load_back = str(extra.get("load_back", "true")).lower() not in ("0", "false", "no")
         self.lookup_deadline = float(extra.get("lookup_deadline_ms", 200)) / 1000  # then a lookup is a miss
+        self.slot_stock = int(extra.get("slot_stock_tokens", 8192))  # most slots held ready for stores
         self.block_size = vllm_config.cache_config.block_size
         self.cache_dtype = vllm_config.cache_config.cache_dtype
         self.model_dtype = vllm_config.model_config.dtype
@@ -119,25 +127,38 @@ class RadixdConnector(KVConnectorBase_V1):
 
     # ------------------------------------------------------------ scheduler side
     def on_new_request(self, request: "Request") -> None:
+        t = time.perf_counter()
         self._sched.arrived(request)
+        self._sched.meter.charge("on_new_request", request.request_id, t)
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        t = time.perf_counter()
         n = self._sched.matched(request, num_computed_tokens)
+        self._sched.meter.charge("get_num_new_matched_tokens", request.request_id, t)
         return n, False
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+        t = time.perf_counter()
         self._sched.allocated(request, num_external_tokens)
+        self._sched.meter.charge("update_state_after_alloc", request.request_id, t)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        return self._sched.build(scheduler_output)
+        t = time.perf_counter()
+        meta = self._sched.build(scheduler_output)
+        self._sched.meter.step(list(scheduler_output.num_scheduled_tokens), t, self._sched)
+        return meta
 
     def update_connector_output(self, connector_output: "KVConnectorOutput"):
+        t = time.perf_counter()
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, RadixdWorkerMetadata):
             self._sched.stored(meta.stored)
+        self._sched.meter.charge_step(t)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        t = time.perf_counter()
         self._sched.finished(request.request_id)
+        self._sched.meter.charge("request_finished", request.request_id, t, last=True)
         return False, None
 
     # --------------------------------------------------------------- worker side
@@ -172,16 +193,86 @@ class RadixdConnector(KVConnectorBase_V1):
             self._worker.close()
 
 
-class _Lookups:
-    """radixd calls off the scheduler thread: prefix lookups (one MatchPrefix with lock per namespace for every
-    request that arrived since the last round, load-backs of host hits waited for here) and releases (one
-    Unlock for every receipt let go since the last round). The scheduler never waits on them."""
+def scheduler_stats(connector: RadixdConnector) -> dict[str, Any]:
+    """What a scheduler-side connector cost vLLM's scheduler thread: per finished request, and radixd calls per
+    step (a function, not a method: every public method of the connector is one of vLLM's hooks)."""
+    return connector._sched.meter.summary()
 
-    def __init__(self, client: CacheClient, load_back: bool):
-        self.client, self.load_back = client, load_back
+
+class _Meter:
+    """Time the scheduler thread spends in the connector's hooks, per request (a step-wide hook's time is
+    shared by the step's requests), and radixd calls per scheduler step; two clock reads per hook."""
+
+    def __init__(self) -> None:
+        self.spent: dict[str, float] = {}
+        self.waited: dict[str, float] = {}  # of which waiting for a lookup with nothing else to run
+        self.done: deque[tuple[float, float]] = deque(maxlen=100_000)  # finished requests' (total, waited)
+        self.steps: deque[tuple[int, int, int]] = deque(maxlen=100_000)  # (requests, scheduler rpcs, lookup rpcs)
+        self._last: list[str] = []
+        self._rpcs = (0, 0)
+        self.hooks: dict[str, list[float]] = {}  # hook -> [calls, seconds]
+
+    def _hook(self, name: str, t0: float) -> float:
+        took = time.perf_counter() - t0
+        h = self.hooks.setdefault(name, [0, 0.0])
+        h[0] += 1
+        h[1] += took
+        return took
+
+    def charge(self, name: str, rid: str, t0: float, last: bool = False) -> None:
+        spent = self.spent.get(rid, 0.0) + self._hook(name, t0)
+        if last:
+            self.spent.pop(rid, None)
+            self.done.append((spent, self.waited.pop(rid, 0.0)))
+        else:
+            self.spent[rid] = spent
+
+    def idle(self, rid: str, seconds: float) -> None:
+        self.waited[rid] = self.waited.get(rid, 0.0) + seconds
+
+    def _share(self, name: str, rids: list[str], t0: float) -> None:
+        took = self._hook(name, t0)
+        if rids:
+            each = took / len(rids)
+            for rid in rids:
+                if rid in self.spent:
+                    self.spent[rid] += each
+
+    def step(self, rids: list[str], t0: float, sched: "_Scheduler") -> None:
+        self._share("build_connector_meta", rids, t0)
+        self._last = rids
+        now = (sched.rpcs, sched.lookups.rpcs)
+        self.steps.append((len(rids), now[0] - self._rpcs[0], now[1] - self._rpcs[1]))
+        self._rpcs = now
+
+    def charge_step(self, t0: float) -> None:
+        self._share("update_connector_output", self._last, t0)
+
+    def summary(self) -> dict[str, Any]:
+        total = sorted(t for t, _ in self.done)
+        busy = sorted(t - w for t, w in self.done)  # what it kept the scheduler from other work
+        steps = [s for s in self.steps if s[0]]
+
+        def pct(xs: list[float], q: float) -> float:
+            return xs[min(len(xs) - 1, int(q * len(xs)))] * 1e6 if xs else 0.0
+        return dict(requests=len(total), p50_us=pct(total, 0.5), p99_us=pct(total, 0.99),
+                    busy_p50_us=pct(busy, 0.5), busy_p99_us=pct(busy, 0.99),
+                    steps=len(steps), max_rpcs_per_step=max((s[1] for s in steps), default=0),
+                    max_lookup_rpcs_per_step=max((s[2] for s in steps), default=0),
+                    mean_rpcs_per_step=sum(s[1] for s in steps) / max(len(steps), 1),
+                    mean_lookup_rpcs_per_step=sum(s[2] for s in steps) / max(len(steps), 1),
+                    hooks_us={k: [n, t / max(n, 1) * 1e6] for k, (n, t) in self.hooks.items()})
+
+
+class _Lookups:
+    """Prefix lookups off the scheduler thread: one MatchPrefix with lock per namespace for every request that
+    arrived since the last round, load-backs of host hits waited for here. The scheduler never waits on it
+    except while it has nothing else to run (see `_Scheduler.matched`)."""
+
+    def __init__(self, client: CacheClient, load_back: bool, stores: "_Stores"):
+        self.client, self.load_back, self.stores = client, load_back, stores
         self._cv = threading.Condition()
         self._queue: list[tuple[str, np.ndarray, tuple]] = []
-        self._unlocks: list[int] = []
         self._done: dict[str, tuple[np.ndarray, int]] = {}
         self._dropped: set[str] = set()  # given up on while in flight: released once they land
         self._busy = False
@@ -193,10 +284,14 @@ class _Lookups:
     def submit(self, rid: str, tokens: np.ndarray, ns: dict[str, str]) -> None:
         with self._cv:
             self._queue.append((rid, tokens, tuple(sorted(ns.items()))))
-            self._cv.notify()
+            self._cv.notify_all()
 
-    def take(self, rid: str) -> Optional[tuple[np.ndarray, int]]:
+    def take(self, rid: str, wait: float = 0.0) -> Optional[tuple[np.ndarray, int]]:
+        """The lookup's result, waiting up to `wait` seconds for it (a wait releases the GIL, so the lookup
+        thread runs at once instead of after the interpreter's switch interval, 5 ms per hand-over)."""
         with self._cv:
+            if rid not in self._done and wait > 0:
+                self._cv.wait_for(lambda: rid in self._done, wait)
             return self._done.pop(rid, None)
 
     def drop(self, rid: str) -> None:
@@ -205,32 +300,21 @@ class _Lookups:
             done = self._done.pop(rid, None)
             if done is None:
                 self._dropped.add(rid)
-            elif done[1]:
-                self._unlocks.append(done[1])
-                self._cv.notify()
-
-    def release(self, receipt: int) -> None:
-        if receipt:
-            with self._cv:
-                self._unlocks.append(receipt)
-                self._cv.notify()
+        if done is not None:
+            self.stores.unlock(done[1])
 
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not (self._queue or self._unlocks or self._stop):
+                while not (self._queue or self._stop):
                     self._cv.wait()
-                if self._stop and not self._queue and not self._unlocks:
+                if self._stop and not self._queue:
                     return
                 batch, self._queue = self._queue, []
-                unlocks, self._unlocks = self._unlocks, []
                 self._busy = True
             results, failed = {}, []
             try:
-                if unlocks:
-                    self._unlock(unlocks)
-                if batch:
-                    results, failed = self._lookup(batch)
+                results, failed = self._lookup(batch)
             finally:
                 with self._cv:
                     self._busy = False
@@ -241,21 +325,9 @@ class _Lookups:
                             late.append(res[1])
                         else:
                             self._done[rid] = res
-                    self._unlocks.extend(r for r in late + failed if r)
                     self._cv.notify_all()
-
-    def _unlock(self, receipts: list[int]) -> None:
-        try:
-            self.rpcs += 1
-            self.client.unlock(receipts)
-        except RadixdError as e:  # one stale receipt fails the call: release the rest one by one
-            log.info("radixd unlock of %d receipts failed (%s); retrying one by one", len(receipts), e)
-            for r in receipts:
-                try:
-                    self.rpcs += 1
-                    self.client.unlock([r])
-                except RadixdError:
-                    pass
+                for r in late + failed:
+                    self.stores.unlock(r)
 
     def _lookup(self, batch: list) -> tuple[dict[str, tuple[np.ndarray, int]], list[int]]:
         """Each request's locked prefix (empty on a miss or an error), and receipts of loads that failed."""
@@ -302,8 +374,192 @@ class _Lookups:
         with self._cv:
             return not (self._queue or self._busy)
 
+    def wait_idle(self, timeout: float) -> None:
+        """Until no lookup is out (a request may be waiting on one: it goes first)."""
+        with self._cv:
+            self._cv.wait_for(lambda: not (self._queue or self._busy), timeout)
+
     def close(self) -> None:
         with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        self._thread.join(timeout=30)
+
+
+class _Stores:
+    """Publishes, releases and a stock of radixd slots, off the scheduler thread. The thread owns each request's
+    radixd lock (prefix slots and receipt) from the moment the scheduler hands it over; operations run in the
+    order they were queued, batched per round: one CacheUnfinished for every publish (a request's second
+    publish goes in the next call, as it needs the first's receipt), one Unlock, one Free, one Alloc refill."""
+
+    def __init__(self, client: CacheClient, page: int, stock_max: int):
+        self.client, self.page, self.stock_max = client, page, stock_max
+        self._cv = threading.Condition()
+        self._ops: list[tuple] = []
+        self._held: dict[str, tuple[np.ndarray, int]] = {}  # rid -> (locked prefix slots, receipt)
+        self.refused: set[str] = set()  # requests whose publish failed: the scheduler stops storing them
+        self._stock = np.zeros((0, page), np.int64)  # held radixd pages for stores, one row each
+        self._want = 0  # pages the stock should hold
+        self._busy = False
+        self._stop = False
+        self.rpcs = 0
+        self.first: Optional[_Lookups] = None  # lookups run before this thread's calls
+        self._thread = threading.Thread(target=self._run, name="radixd-stores", daemon=True)
+        self._thread.start()
+
+    def _put(self, *op: Any) -> None:
+        with self._cv:
+            self._ops.append(op)
+            self._cv.notify_all()
+
+    def hold(self, rid: str, prefix: np.ndarray, receipt: int) -> None:
+        self._put("hold", rid, prefix, receipt)
+
+    def publish(self, rid: str, tokens: np.ndarray, start: int, slots: np.ndarray, ns: dict[str, str]) -> None:
+        self._put("publish", rid, tokens, start, slots, ns)
+
+    def release(self, rid: str) -> None:
+        self._put("release", rid)
+
+    def unlock(self, receipt: int) -> None:
+        if receipt:
+            self._put("unlock", receipt)
+
+    def free(self, slots: np.ndarray) -> None:
+        if len(slots):
+            self._put("free", slots)
+
+    def take_pages(self, n: int) -> Optional[np.ndarray]:
+        """n stocked pages (rows of slots), or None when the stock is short; the stock is kept at twice the
+        largest step seen (at most `slot_stock_tokens`), refilled when it falls to half."""
+        with self._cv:
+            self._want = max(self._want, min(2 * n, self.stock_max // self.page))
+            got = None
+            if len(self._stock) >= n:
+                got, self._stock = self._stock[:n], self._stock[n:]
+            if self._needs_refill():
+                self._cv.notify_all()
+            return got
+
+    def _needs_refill(self) -> bool:
+        return self._want > 0 and len(self._stock) <= self._want // 2
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._ops or self._stop or self._needs_refill()):
+                    self._cv.wait()
+                if self._stop and not self._ops:
+                    return
+            if self.first is not None:
+                self.first.wait_idle(0.05)
+            with self._cv:
+                ops, self._ops = self._ops, []
+                self._busy = True
+            try:
+                self._round(ops)
+                self._refill()
+            except Exception:  # a bug here must not leave the scheduler waiting on a dead thread
+                log.exception("radixd store thread")
+            finally:
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()
+
+    def _round(self, ops: list[tuple]) -> None:
+        batch: list[tuple] = []  # (rid, item, slots)
+        unlocks: list[int] = []
+        frees: list[np.ndarray] = []
+        for op in ops:
+            kind, arg = op[0], op[1]
+            if kind in ("publish", "release") and any(b[0] == arg for b in batch):
+                self._publish(batch, frees)
+                batch = []
+            if kind == "hold":
+                self._held[arg] = (op[2], op[3])
+            elif kind == "publish":
+                _, rid, tokens, start, slots, ns = op
+                prefix, receipt = self._held.get(rid, (_EMPTY, 0))
+                if rid in self.refused or start != len(prefix):  # cannot attach: the pages are not kept
+                    frees.append(slots)
+                    self.refused.add(rid)
+                    continue
+                batch.append((rid, dict(tokens=tokens, indices=np.concatenate([prefix, slots]),
+                                        prev_prefix_len=len(prefix), receipt_id=receipt, **ns), slots))
+            elif kind == "release":
+                _, receipt = self._held.pop(arg, (_EMPTY, 0))
+                self.refused.discard(arg)
+                if receipt:
+                    unlocks.append(receipt)
+            elif kind == "unlock":
+                unlocks.append(arg)
+            elif kind == "free":
+                frees.append(arg)
+        if batch:
+            self._publish(batch, frees)
+        if unlocks:
+            self._unlock(unlocks)
+        if frees:
+            try:
+                self.rpcs += 1
+                self.client.free(np.concatenate(frees))
+            except RadixdError as e:
+                log.warning("radixd free failed: %s", e)
+
+    def _publish(self, batch: list[tuple], frees: list[np.ndarray]) -> None:
+        try:
+            self.rpcs += 1
+            res = self.client.cache_unfinished([item for _, item, _ in batch])
+        except RadixdError as e:
+            log.warning("radixd publish of %d requests failed: %s", len(batch), e)
+            for rid, _, slots in batch:
+                frees.append(slots)
+                self.refused.add(rid)
+            return
+        for (rid, _, _), (_, m) in zip(batch, res):
+            self._held[rid] = (m.indices, m.receipt_id)
+
+    def _unlock(self, receipts: list[int]) -> None:
+        try:
+            self.rpcs += 1
+            self.client.unlock(receipts)
+        except RadixdError as e:  # one stale receipt fails the call: release the rest one by one
+            log.info("radixd unlock of %d receipts failed (%s); retrying one by one", len(receipts), e)
+            for r in receipts:
+                try:
+                    self.rpcs += 1
+                    self.client.unlock([r])
+                except RadixdError:
+                    pass
+
+    def _refill(self) -> None:
+        with self._cv:
+            short = self._want - len(self._stock) if self._needs_refill() else 0
+        if short <= 0:
+            return
+        try:
+            self.rpcs += 1
+            got = self.client.alloc(short * self.page).reshape(-1, self.page).astype(np.int64)
+        except RadixdError as e:  # radixd is full of locked pages: stores fall back to Alloc on the scheduler
+            log.info("radixd slot stock refill failed: %s", e)
+            with self._cv:
+                self._want = len(self._stock)
+            return
+        with self._cv:
+            self._stock = np.concatenate([self._stock, got])
+
+    def idle(self) -> bool:
+        with self._cv:
+            return not (self._ops or self._busy)
+
+    def close(self) -> None:
+        """Release everything still held (locks, stocked slots), then stop."""
+        with self._cv:
+            for rid in list(self._held):
+                self._ops.append(("release", rid))
+            stock, self._stock, self._want = self._stock, np.zeros((0, self.page), np.int64), 0
+            if len(stock):
+                self._ops.append(("free", stock.reshape(-1)))
             self._stop = True
             self._cv.notify_all()
         self._thread.join(timeout=30)
@@ -313,9 +569,10 @@ _EMPTY = np.zeros(0, np.int64)
 
 
 class _Scheduler:
-    """Per-engine bookkeeping: what each request locked in radixd, loads, and stores in flight. On the scheduler
-    thread it makes at most two calls a step, both batched over every request of the step: one Alloc for the
-    pages to store and one CacheUnfinished to publish them; lookups and releases run on `_Lookups`."""
+    """Per-engine bookkeeping: what each request found in radixd, loads, and stores in flight. The scheduler
+    thread makes no radixd call in the steady state: lookups run on `_Lookups`; slots for stores come from a
+    stock `_Stores` keeps filled (an Alloc here only when it runs short), and publishes and releases go to
+    `_Stores` too, batched over every request."""
 
     def __init__(self, conn: RadixdConnector):
         self.conn = conn
@@ -328,16 +585,16 @@ class _Scheduler:
         self.reqs: dict[str, _Req] = {}
         self.stores: dict[int, tuple[str, int, int, np.ndarray]] = {}  # id -> (request, start, end, slots)
         self._next = 0
+        self.running = 0  # requests past their lookup and not finished: the engine has other work
         self.hits = 0  # tokens loaded from radixd (for tests and logs)
         self.rpcs = 0  # calls made on the scheduler thread
-        self.lookups = _Lookups(self.client, conn.load_back)
+        self.background = _Stores(self.client, self.page, conn.slot_stock)
+        self.lookups = _Lookups(self.client, conn.load_back, self.background)
+        self.background.first = self.lookups
+        self.meter = _Meter()
 
     def _align(self, n: int) -> int:
         return max(n, 0) - max(n, 0) % self.page
-
-    def _release(self, st: _Req) -> None:
-        self.lookups.release(st.receipt)
-        st.receipt = 0
 
     def arrived(self, request: "Request") -> None:
         """A request was queued: start its lookup now, so its answer is there when it is scheduled."""
@@ -347,14 +604,17 @@ class _Scheduler:
         toks = request.prompt_token_ids
         st = _Req(list(toks), _namespace(request))
         self.reqs[rid] = st
-        n = self._align(len(toks) - 1)  # the engine always computes the last prompt token itself
-        if n:
+        n = self._align(len(toks))  # every whole page: what radixd has need not be stored again
+        if n and self._align(len(toks) - 1):
             st.pending, st.asked = True, time.monotonic()
             self.lookups.submit(rid, np.asarray(toks[:n], dtype=np.int32), st.ns)
+        else:
+            self.running += 1
 
     def matched(self, request: "Request", num_computed: int) -> Optional[int]:
-        """Tokens radixd holds beyond vLLM's own; None while the lookup is still on its way (asked again next
-        step); a lookup past its deadline is a miss."""
+        """Tokens radixd holds beyond vLLM's own (never the last prompt token, which the engine computes); None
+        while the lookup is on its way and the engine has other requests to run (asked again next step); with
+        nothing else to run it waits for the answer, up to the deadline that turns a lookup into a miss."""
         rid = request.request_id
         st = self.reqs.get(rid)
         if st is None:
@@ -363,7 +623,11 @@ class _Scheduler:
             if st is None:
                 return 0
         if st.pending:
-            res = self.lookups.take(rid)
+            left = self.conn.lookup_deadline - (time.monotonic() - st.asked)
+            t = time.perf_counter()
+            res = self.lookups.take(rid, left if self.running == 0 else 0.0)
+            if self.running == 0:
+                self.meter.idle(rid, time.perf_counter() - t)
             if res is None:
                 if time.monotonic() - st.asked < self.conn.lookup_deadline:
                     return None
@@ -372,10 +636,13 @@ class _Scheduler:
                          self.conn.lookup_deadline * 1e3)
                 res = (_EMPTY, 0)
             st.pending = False
-            st.prefix, st.receipt = res
+            self.running += 1
+            st.prefix, receipt = res
+            if receipt:
+                self.background.hold(rid, st.prefix, receipt)
             st.planned = len(st.prefix)
         st.local = num_computed
-        return max(len(st.prefix) - num_computed, 0)
+        return max(min(len(st.prefix), self._align(len(st.tokens) - 1)) - num_computed, 0)
 
     def allocated(self, request: "Request", num_external: int) -> None:
         st = self.reqs.get(request.request_id)
@@ -417,34 +684,39 @@ class _Scheduler:
         start = st.planned
         if not st.storing or st.finished or st.pending or end <= start or end // self.page > len(st.blocks):
             return
+        if rid in self.background.refused:  # an earlier publish of it failed: its pages cannot attach
+            st.storing = False
+            return
         self._plans.append((rid, st, start, end))
 
     def _allocate(self, meta: RadixdConnectorMetadata) -> None:
-        """One Alloc for every page the step stores."""
+        """Slots for every page the step stores: from the stock, or one Alloc when it runs short."""
         plans, self._plans = self._plans, []
         if not plans:
             return
-        try:
-            self.rpcs += 1
-            got = self.client.alloc([end - start for _, _, start, end in plans])
-        except RadixdError as e:  # radixd is full of locked pages: this step's pages are not cached there
-            log.info("radixd alloc failed (%s); not storing %d requests", e, len(plans))
-            for _, st, _, _ in plans:
-                st.storing = False
-            return
-        for (rid, st, start, end), slots in zip(plans, got):
-            slots = np.asarray(slots, dtype=np.int64)
+        need = [(end - start) // self.page for _, _, start, end in plans]
+        pages = self.background.take_pages(sum(need))
+        if pages is None:
+            try:
+                self.rpcs += 1
+                pages = self.client.alloc(sum(need) * self.page).reshape(-1, self.page).astype(np.int64)
+            except RadixdError as e:  # radixd is full of locked pages: this step's pages are not cached there
+                log.info("radixd alloc failed (%s); not storing %d requests", e, len(plans))
+                for _, st, _, _ in plans:
+                    st.storing = False
+                return
+        at = 0
+        for (rid, st, start, end), n in zip(plans, need):
+            rows, at = pages[at:at + n], at + n
             self._next += 1
-            self.stores[self._next] = (rid, start, end, slots)
+            self.stores[self._next] = (rid, start, end, rows.reshape(-1))
             st.inflight.add(self._next)
             st.planned = end
-            meta.stores.append((self._next, st.blocks[start // self.page:end // self.page],
-                                slots[::self.page].tolist()))
+            meta.stores.append((self._next, st.blocks[start // self.page:end // self.page], rows[:, 0].tolist()))
 
     def stored(self, ids: set[int]) -> None:
-        """Workers copied these stores: publish them all in one CacheUnfinished, then finish requests that
+        """Workers copied these stores: hand them to the store thread to publish, then finish requests that
         waited on them."""
-        items, owners, lost = [], [], []
         for sid in sorted(ids):
             entry = self.stores.pop(sid, None)
             if entry is None:
@@ -452,39 +724,12 @@ class _Scheduler:
             rid, start, end, slots = entry
             st = self.reqs.get(rid)
             if st is None:
-                lost.append(slots)
+                self.background.free(slots)
                 continue
             st.inflight.discard(sid)
-            if start != len(st.prefix) or any(o is st for o, _ in owners):  # cannot attach (yet): dropped
-                lost.append(slots)
-                st.storing = False
-                continue
-            items.append(dict(tokens=np.asarray(st.tokens[:end], dtype=np.int32),
-                              indices=np.concatenate([st.prefix, slots]), prev_prefix_len=len(st.prefix),
-                              receipt_id=st.receipt, **st.ns))
-            owners.append((st, slots))
-        if items:
-            try:
-                self.rpcs += 1
-                res = self.client.cache_unfinished(items)
-                for (st, _), (_, m) in zip(owners, res):
-                    st.prefix, st.receipt = m.indices, m.receipt_id
-            except RadixdError as e:
-                log.warning("radixd publish of %d requests failed: %s", len(items), e)
-                for st, slots in owners:
-                    lost.append(slots)
-                    st.storing = False
-        if lost:
-            self._free(np.concatenate(lost))
+            self.background.publish(rid, np.asarray(st.tokens[:end], dtype=np.int32), start, slots, st.ns)
         for rid in [rid for rid, st in self.reqs.items() if st.finished and not st.inflight]:
             self._finish(rid)
-
-    def _free(self, slots: np.ndarray) -> None:
-        try:
-            self.rpcs += 1
-            self.client.free(slots)
-        except RadixdError as e:
-            log.warning("radixd free failed: %s", e)
 
     def finished(self, rid: str) -> None:
         st = self.reqs.get(rid)
@@ -493,20 +738,24 @@ class _Scheduler:
         st.finished = True
         if st.pending:  # finished (or aborted) before its lookup came back
             st.pending = False
+            self.running += 1
             self.lookups.drop(rid)
         if not st.inflight:  # otherwise the workers' report of this step's stores finishes it
             self._finish(rid)
 
     def _finish(self, rid: str) -> None:
-        st = self.reqs.pop(rid)
-        self._release(st)
+        self.reqs.pop(rid)
+        self.running -= 1
+        self.background.release(rid)
 
     def close(self) -> None:
         for rid in list(self.reqs):
-            if self.reqs[rid].pending:
-                self.lookups.drop(rid)
-            self._finish(rid)
+            self.finished(rid)
+            if rid in self.reqs:
+                self.reqs[rid].inflight.clear()
+                self._finish(rid)
         self.lookups.close()
+        self.background.close()
         self.client.close()
 
 
