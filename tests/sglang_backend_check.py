@@ -151,9 +151,17 @@ def same_kv(a: Engine, b: Engine, tokens: list[int]) -> None:
     assert torch.equal(ka, kb) and torch.equal(va, vb), "engine B did not get engine A's bytes"
 
 
-def settled(c: CacheClient) -> dict:
-    s = c.stats()
-    assert s["receipts"] == 0 and s["held_tokens"] == 0, s
+def quiet(c: CacheClient, *engines: Engine) -> dict:
+    """radixd's stats once the engines' background work (publishes, releases) is done."""
+    for e in engines:
+        e.cache.settle()
+    return c.stats()
+
+
+def settled(c: CacheClient, *engines: Engine) -> dict:
+    """Nothing locked in radixd, nothing held but the engines' slot stocks, the checker clean."""
+    s = quiet(c, *engines)
+    assert s["receipts"] == 0 and s["held_tokens"] == sum(e.cache.stocked_tokens() for e in engines), s
     assert c.check() == [], c.check()
     return s
 
@@ -166,7 +174,8 @@ def scenario_two_engines_share_pages_byte_for_byte(c: CacheClient) -> None:
     assert c.stats()["cached_tokens"] == 0
     a.prefill(ra, 42, finish=True)
     a.release(ra)
-    assert settled(c)["cached_tokens"] == 40  # the whole pages of the finished request
+    assert settled(c, a, b)["cached_tokens"] == 40  # the whole pages of the finished request
+    assert a.cache.rpcs <= 1  # on the scheduler thread: an Alloc while the slot stock is empty, nothing else
     rb = b.request("b1", prompt + [5, 6, 7])
     hit, loaded = b.prefill(rb, 45, finish=True)
     assert (hit, loaded) == (0, 40), (hit, loaded)
@@ -175,7 +184,7 @@ def scenario_two_engines_share_pages_byte_for_byte(c: CacheClient) -> None:
     assert b.cache.loaded_tokens == 40 and a.cache.stored_tokens == 40
     hit, loaded = b.prefill(b.request("b2", prompt), 42, finish=True)  # now SGLang's own tree has it
     assert (hit, loaded) == (40, 0)
-    settled(c)
+    settled(c, a, b)
     a.cache.shutdown()
     b.cache.shutdown()
 
@@ -186,16 +195,17 @@ def scenario_pages_on_radixd_host_tier_are_loaded_back(c: CacheClient) -> None:
     r = a.request("h1", prompt)
     a.prefill(r, 36, finish=True)
     a.release(r)
+    quiet(c, a)
     deadline = time.monotonic() + 10
     while c.stats()["cached_tokens"]:  # radixd demotes what its (asynchronous) backups put on host
         assert time.monotonic() < deadline, "radixd's backups never landed"
         c.evict(c.stats()["cached_tokens"])
-    s = settled(c)
+    s = settled(c, a, b)
     assert s["cached_tokens"] == 0 and s["host_cached_tokens"] >= 36, s
     hit, loaded = b.prefill(b.request("h2", prompt + [7]), 37, finish=True)  # matched up to all but the last
     assert (hit, loaded) == (0, 36)
     same_kv(a, b, prompt[:36])
-    settled(c)
+    settled(c, a, b)
     a.cache.shutdown()
     b.cache.shutdown()
 
@@ -206,12 +216,13 @@ def scenario_partial_hit_and_namespaces(c: CacheClient) -> None:
     r = a.request("p1", prompt, extra_key="lora-x")
     a.prefill(r, 32, finish=True)
     a.release(r)
+    quiet(c, a)
     other = prompt[:16] + [1] * 16
     hit, loaded = b.prefill(b.request("p2", other, extra_key="lora-x"), 32, finish=True)
     assert (hit, loaded) == (0, 16)  # four shared pages
     hit, loaded = b.prefill(b.request("p3", prompt, extra_key="lora-y"), 32, finish=True)
     assert loaded == 0  # another adapter never sees them
-    settled(c)
+    settled(c, a, b)
     a.cache.shutdown()
     b.cache.shutdown()
 
@@ -222,16 +233,21 @@ def scenario_abort_and_unused_markers_release_radixd_locks(c: CacheClient) -> No
     r = a.request("x1", prompt)
     a.prefill(r, 24, finish=True)
     a.release(r)
+    quiet(c, a)
     rb = b.request("x2", prompt + [3])
     m = b.cache.match_prefix(MatchPrefixParams(key=_key(rb), req=rb))
-    assert m.host_hit_length == 24 and c.stats()["receipts"] == 1  # locked in radixd while queued
+    assert m.host_hit_length == 24 and quiet(c, b)["receipts"] == 1  # locked in radixd while queued
     b.cache.release_aborted_request(rb.cache_request_handle)  # aborted before it was scheduled
-    assert c.stats()["receipts"] == 0
+    assert quiet(c, b)["receipts"] == 0
     m = b.cache.match_prefix(MatchPrefixParams(key=_key(rb), req=rb))
     b.cache.match_prefix(MatchPrefixParams(key=_key(rb), req=rb))  # re-asked
-    assert c.stats()["receipts"] == 1
+    assert quiet(c, b)["receipts"] == 1
     b.cache.on_release(rb, checkpointed=False)
-    settled(c)
+    rq = b.request("x3", prompt + [4])
+    b.cache.queued(rq)  # the scheduler queued it: its lookup locks radixd's pages at once
+    assert quiet(c, b)["receipts"] == 1
+    b.cache.release_aborted_request(rq.cache_request_handle)  # aborted in the queue: the lock goes
+    settled(c, a, b)
     a.cache.shutdown()
     b.cache.shutdown()
 
@@ -264,7 +280,7 @@ def scenario_same_matches_as_sglang_alone(c: CacheClient) -> None:
             for e in (mine, plain):
                 e.cache.evict(EvictParams(num_tokens=n))
         assert mine.cache.evictable_size() == plain.cache.evictable_size()
-    settled(c)
+    settled(c, mine)
     mine.cache.shutdown()
 
 

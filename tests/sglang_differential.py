@@ -15,7 +15,8 @@ evictions of varied sizes, flushes, in extra_key and cache_salt namespaces.
 After every operation both engines must agree on matched lengths, evictable and protected sizes, free
 slots, evict and insert results; every few operations the two trees are compared node by node (key ids
 and their type, value lengths, lock refs), and whenever no request is in flight radixd holds no receipt,
-no held slot and no lock. Where the backend is meant to differ the test models it explicitly: when it
+no held slot (but its slot stock) and no lock; after every operation the backend is settled (its stores
+published), so its tree matches the plain engine's at once. Where the backend is meant to differ the test models it explicitly: when it
 reports a host hit (radixd holds pages SGLang's tree lost), the plain engine is given the same tokens the
 way init_load_back gives them (fresh slots, the same insert), and the loaded KV must equal what the
 "forward pass" wrote for those tokens.
@@ -272,6 +273,7 @@ def run(target: str, page: int, seed: int, steps: int) -> dict:
             stem = rng.choice(stems)
             tail = [rng.randrange(1, 60) for _ in range(rng.randrange(1, 3 * unit + 3))]
             p = Pair(f"r{serial}", stem + tail, rng.choice(NAMESPACES), rng.randrange(0, 2 * page + 2))
+            mine.cache.queued(p.reqs[0])  # as the scheduler's _add_request_to_queue: the lookup starts now
             res = [e.match(r) for e, r in zip(engines, p.reqs)]
             agree("device match", res[0][0], res[1][0])
             agree("plain engine host hit", res[1][1], 0)
@@ -365,6 +367,7 @@ def run(target: str, page: int, seed: int, steps: int) -> dict:
             for e in engines:
                 e.cache.reset()
             counts["flushes"] += 1
+        mine.cache.settle()  # its stores published: what the plain engine's tree holds at once
         agree("evictable, protected, free slots", mine.state(), plain.state())
         for e in engines:
             structure(e.cache)
@@ -373,10 +376,12 @@ def run(target: str, page: int, seed: int, steps: int) -> dict:
             counts["dumps"] += 1
         if not running and not queued and not pins:
             s = client.stats()
-            assert (s["receipts"], s["held_tokens"], s["protected_tokens"]) == (0, 0, 0), (step, s)
+            held = mine.cache.stocked_tokens()  # the slot stock the backend keeps for stores
+            assert (s["receipts"], s["held_tokens"], s["protected_tokens"]) == (0, held, 0), (step, s)
             counts["idle_checks"] += 1
     idle()
     agree("tree at the end", dump(mine.cache), dump(plain.cache))
+    mine.cache.settle()
     mine.cache.shutdown()
     s = client.stats()
     assert (s["receipts"], s["held_tokens"], s["protected_tokens"]) == (0, 0, 0), s

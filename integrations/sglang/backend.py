@@ -2,25 +2,37 @@
 
 SGLang keeps its tree and KV pool; radixd is the tier behind them that outlives the engine and that every
 engine on the node shares (one radixd session per engine: a dead engine loses its locks within a second).
-  match_prefix     SGLang's own match, then radixd's (MatchPrefix with lock, after a LoadBack when radixd
-                   holds more on its host tier); what radixd has beyond SGLang's device prefix is reported as
-                   `host_hit_length`, so the scheduler calls init_load_back;
+  queued           (wrapped around the scheduler's `_add_request_to_queue` when the backend is built inside
+                   SGLang's scheduler) starts the request's radixd lookup, MatchPrefix with lock on a lookup
+                   thread, batched with every request queued meanwhile (a LoadBack first, and its copy waited
+                   for there, when radixd holds more on its host tier);
+  match_prefix     SGLang's own match, then radixd's answer: the queued lookup's, waited for at most until
+                   `lookup_deadline_ms` after it started (then a miss), or one started now; what radixd has
+                   beyond SGLang's device prefix is reported as `host_hit_length`, so the scheduler calls
+                   init_load_back;
   init_load_back   all or nothing: SGLang slots (evicting locally if short), radixd's pages copied into
                    SGLang's k_buffer / v_buffer, the path inserted into SGLang's tree, radixd's lock released;
-  checkpoint       SGLang's own bookkeeping; for a finished request its new whole pages are copied into
-                   radixd slots (Alloc) and published (CacheFinished). On GPU the copy runs on a side stream
-                   and is published once its event completed, the source node locked until then; SGLang has
-                   no tick for a backend, so completions are drained in match_prefix, checkpoint and evict;
+  checkpoint       SGLang's own bookkeeping; a finished request's path is pinned in SGLang's tree and looked up
+                   in radixd on the lookup thread; once the answer is there its new whole pages are copied into
+                   slots from a stock of held radixd slots and published (CacheUnfinished, then Unlock) on a
+                   store thread, batched. On GPU the copy runs on a side stream and is published once its
+                   event completed. SGLang has no tick for a backend, so this progresses in match_prefix,
+                   checkpoint, evict and check_hicache_events (and `settle` finishes everything);
   on_release / release_aborted_request / reset  release every radixd lock the request (or cache) held.
+No radixd call blocks the scheduler thread except the bounded wait for a lookup in match_prefix, and an
+Alloc when the slot stock runs short.
 Tensor parallelism: radixd's pool holds every rank's KV heads side by side; rank 0 alone talks to radixd and
 broadcasts its decisions (SGLang's ranks call the cache in lockstep), every rank copies its own heads, and
-a barrier orders the copies before rank 0 unlocks or publishes.
+a barrier orders the copies before rank 0 unlocks or publishes. With TP the calls stay synchronous (every
+rank must see the same decision at the same call).
 The namespace is SGLang's extra_key plus cache_salt; radixd's page size must equal SGLang's --page-size.
 """
 from __future__ import annotations
 
 import logging
 import os
+import sys
+import time
 from array import array
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
@@ -33,6 +45,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (EvictParams, EvictResult, In
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
 from radixd.client import CacheClient, RadixdError
+from radixd.client.background import Lookups, Stores
 from radixd.server.config import DEFAULT_SOCKET
 
 if TYPE_CHECKING:
@@ -78,11 +91,32 @@ class _Store:
     item: dict
 
 
+@dataclass
+class _Plan:
+    """A finished request's path, pinned in SGLang's tree until its radixd lookup lands and the copy is done."""
+
+    sid: int
+    node: Any
+    src: torch.Tensor  # SGLang slots of the whole pages, root first
+    tokens: np.ndarray
+    ns: dict
+    asked: float
+
+
+@dataclass
+class _Asked:
+    """A radixd lookup on its way for a request."""
+
+    tokens: np.ndarray
+    at: float
+
+
 class RadixdRadixCache(RadixCache):
     """SGLang RadixCache with radixd behind it (see the module docstring)."""
 
     def __init__(self, params: "CacheInitParams", tp_size: int = 1, tp_rank: int = 0, tp_group: Any = None,
-                 target: Optional[str] = None, token: Optional[str] = None, load_back: bool = True):
+                 target: Optional[str] = None, token: Optional[str] = None, load_back: bool = True,
+                 lookup_deadline_ms: float = 200, slot_stock_tokens: int = 8192):
         super().__init__(params)
         if tp_size > 1 and tp_group is None:
             raise ValueError("radixd backend: tensor parallelism needs the TP group (broadcast_object, barrier)")
@@ -117,6 +151,16 @@ class RadixdRadixCache(RadixCache):
         self._stores: list[_Store] = []
         self.loaded_tokens = 0  # tokens copied in from radixd (for tests and logs)
         self.stored_tokens = 0
+        self.rpcs = 0  # radixd calls made on the scheduler thread (for tests and benchmarks)
+        self.deadline = lookup_deadline_ms / 1000
+        self.asynchronous = tp_size == 1  # with TP every rank must see the lead's decision at the same call
+        self._asked: dict[Any, _Asked] = {}
+        self._plans: list[_Plan] = []
+        self._sid = 0
+        if self.asynchronous:
+            self.stores = Stores(self.client, self.page_size, slot_stock_tokens)
+            self.lookups = Lookups(self.client, load_back, self.stores)
+            self.stores.first = self.lookups
 
     # ---------------------------------------------------------------- helpers
     def _ns(self, key: RadixKey) -> dict[str, str]:
@@ -133,8 +177,11 @@ class RadixdRadixCache(RadixCache):
             self.group.barrier()
 
     def _unlock(self, receipt: int) -> None:
-        if receipt and self.lead:
+        if receipt and self.asynchronous:
+            self.stores.unlock(receipt)
+        elif receipt and self.lead:
             try:
+                self.rpcs += 1
                 self.client.unlock([receipt])
             except RadixdError as e:
                 log.warning("radixd unlock failed: %s", e)
@@ -145,7 +192,9 @@ class RadixdRadixCache(RadixCache):
             self._unlock(m.receipt)
 
     def _drain(self, wait: bool = False) -> None:
-        """Publish stores whose copy completed (all of them with wait)."""
+        """Copy the stores whose radixd lookup landed, publish those whose copy completed (all with wait)."""
+        if self._plans:
+            self._copy_planned(wait)
         keep = []
         for st in self._stores:
             if st.event is not None and not wait and not st.event.query():
@@ -158,7 +207,14 @@ class RadixdRadixCache(RadixCache):
         self._stores = keep
 
     def _publish(self, item: dict) -> None:
+        if self.asynchronous:  # the store thread publishes it (locks the longer prefix) and then releases it
+            key = ("store", item["sid"])
+            self.stores.hold(key, item["prefix"], item["receipt_id"])
+            self.stores.publish(key, item["tokens"], item["prev_prefix_len"], item["slots"], item["ns"],
+                                finished=True)
+            return
         try:
+            self.rpcs += 1
             self.client.cache_finished([item])
         except RadixdError as e:  # radixd refused or is gone: the pages are simply not shared
             log.warning("radixd publish failed: %s", e)
@@ -170,18 +226,61 @@ class RadixdRadixCache(RadixCache):
 
     # ------------------------------------------------------------- lifecycle
     def reset(self) -> None:
-        super().reset()
-        if hasattr(self, "_markers"):
+        if hasattr(self, "_markers"):  # (SGLang's constructor resets before ours ran)
+            self._drain(wait=True)  # before SGLang's tree and slots go
             for h in list(self._markers):
                 self._drop_marker(h)
-            self._drain(wait=True)
+            for h in list(self._asked):
+                self._forget(h)
+        super().reset()
+
+    def settle(self) -> None:
+        """Every store copied and published and every release done (tests, shutdown)."""
+        self._drain(wait=True)
+        if self.asynchronous:
+            while not (self.lookups.idle() and self.stores.idle()):
+                self.lookups.wait_idle(1.0)
+                self.stores.wait_idle(1.0)
+
+    def stocked_tokens(self) -> int:
+        """radixd slots held ready for stores (they count as held in radixd's stats)."""
+        return self.stores.stocked() if self.asynchronous else 0
 
     def shutdown(self) -> None:
         self._drain(wait=True)
         for h in list(self._markers):
             self._drop_marker(h)
+        for h in list(self._asked):
+            self._forget(h)
+        if self.asynchronous:
+            self.lookups.close()
+            self.stores.close()
         self.pools.close()
         self.client.close()
+
+    # ---------------------------------------------------------------- lookups
+    def queued(self, req) -> None:
+        """A request entered the waiting queue: start its radixd lookup so the answer is there at admission."""
+        if self.disable or not self.asynchronous or req.finished() or self.is_eagle:
+            return
+        ids = _ids(req.origin_input_ids)
+        if len(req.output_ids):
+            ids = np.concatenate([ids, _ids(req.output_ids)])
+        n = len(ids) - 1  # the scheduler's key: all but the last token, whole pages
+        n -= n % self.page_size
+        if n > 0:
+            self._ask(req.cache_request_handle, ids[:n], dict(extra_key=req.extra_key or "",
+                                                               cache_salt=req.cache_salt or ""))
+
+    def _ask(self, handle: Any, tokens: np.ndarray, ns: dict) -> None:
+        self._forget(handle)
+        self._asked[handle] = _Asked(tokens, time.monotonic())
+        self.lookups.submit(handle, tokens, ns)
+
+    def _forget(self, handle: Any) -> None:
+        """No longer interested in this request's lookup: its lock goes when it lands."""
+        if self._asked.pop(handle, None) is not None:
+            self.lookups.drop(handle)
 
     # ----------------------------------------------------------------- match
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
@@ -194,9 +293,13 @@ class RadixdRadixCache(RadixCache):
         device_len = base.device_prefix_len
         self._drop_marker(req.cache_request_handle)  # asked again: the newer answer wins
         if device_len >= len(key) or self.is_eagle:
+            if self.asynchronous:
+                self._forget(req.cache_request_handle)
             return base
         path, receipt = None, 0
-        if self.lead:
+        if self.asynchronous:
+            path, receipt = self._lookup(req.cache_request_handle, key, device_len)
+        elif self.lead:
             path, receipt = self._radixd_match(key, device_len)
         path = self._bcast(path)
         if path is None:
@@ -207,10 +310,34 @@ class RadixdRadixCache(RadixCache):
         node = base.last_device_node
         return base._replace(last_host_node=node, best_match_node=node, host_hit_length=hit)
 
+    def _lookup(self, handle: Any, key: RadixKey, device_len: int) -> tuple[Optional[np.ndarray], int]:
+        """radixd's locked path for the key when it holds more than SGLang's device prefix, from the lookup the
+        request started when it was queued (or one started now), waited for up to the deadline."""
+        tokens = _ids(key.raw_token_ids())
+        asked = self._asked.get(handle)
+        common = min(len(tokens), len(asked.tokens)) if asked is not None else 0
+        if asked is None or not np.array_equal(asked.tokens[:common], tokens[:common]):
+            self._ask(handle, tokens, self._ns(key))  # none yet, or for other tokens
+            asked = self._asked[handle]
+        res = self.lookups.take(handle, max(self.deadline - (time.monotonic() - asked.at), 0.0))
+        if res is None:
+            self._forget(handle)
+            log.info("radixd lookup took longer than %.0f ms: a miss", self.deadline * 1e3)
+            return None, 0
+        del self._asked[handle]
+        path, receipt = res
+        usable = min(len(path), len(tokens))  # the two keys agree that far
+        usable -= usable % self.page_size
+        if usable <= device_len:
+            self._unlock(receipt)
+            return None, 0
+        return np.asarray(path[:usable], dtype=np.int64), receipt
+
     def _radixd_match(self, key: RadixKey, device_len: int) -> tuple[Optional[np.ndarray], int]:
-        """radixd's locked path for the key when it holds more than SGLang's device prefix (lead rank)."""
+        """radixd's locked path for the key when it holds more than SGLang's device prefix (lead rank, TP)."""
         tokens = _ids(key.raw_token_ids())
         try:
+            self.rpcs += 1
             m = self.client.match_prefix(tokens, lock=True, **self._ns(key))
             path, receipt = m.indices, m.receipt_id
             if self.load_back and m.host_hit_len:
@@ -282,6 +409,12 @@ class RadixdRadixCache(RadixCache):
             return
         tokens = _ids(req.full_untruncated_fill_ids[:n])
         ns = dict(extra_key=req.extra_key or "", cache_salt=req.cache_salt or "")
+        if self.asynchronous:  # pinned until radixd's answer lands and the copy is done (`_copy_planned`)
+            self.inc_lock_ref(node)
+            self._sid += 1
+            self._plans.append(_Plan(self._sid, node, indices[:n], tokens, ns, time.monotonic()))
+            self.lookups.submit(("store", self._sid), tokens, ns, load_back=False)
+            return
         plan, item = None, None
         if self.lead:
             plan, item = self._plan_store(tokens, n, ns)
@@ -301,28 +434,75 @@ class RadixdRadixCache(RadixCache):
             if self.lead:
                 self._publish(item)
             return
-        event = None
-        if self.cuda:
-            self.stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self.stream):
-                for i in range(len(self.k)):
-                    self.rk[i][dst] = self.k[i][src]
-                    self.rv[i][dst] = self.v[i][src]
-                event = torch.cuda.Event()
-                event.record(self.stream)
-        else:
-            for i in range(len(self.k)):
-                self.rk[i][dst] = self.k[i][src]
-                self.rv[i][dst] = self.v[i][src]
+        event = self._copy_out(src, dst)
         self.inc_lock_ref(node)  # SGLang must not reuse the source slots before the copy is over
         self._stores.append(_Store(event, node, item))
         if event is None:
             self._drain()
 
+    def _copy_out(self, src: torch.Tensor, dst: torch.Tensor) -> Any:
+        """SGLang's KV at src into radixd's slots dst (GPU: on the side stream; its event is returned)."""
+        if not self.cuda:
+            for i in range(len(self.k)):
+                self.rk[i][dst] = self.k[i][src]
+                self.rv[i][dst] = self.v[i][src]
+            return None
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            for i in range(len(self.k)):
+                self.rk[i][dst] = self.k[i][src]
+                self.rv[i][dst] = self.v[i][src]
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return event
+
+    def _copy_planned(self, wait: bool) -> None:
+        """Planned stores whose radixd lookup landed: slots from the stock, the copy started, the publish queued
+        behind it; a lookup past the deadline drops its store."""
+        keep = []
+        for p in self._plans:
+            key = ("store", p.sid)
+            left = self.deadline - (time.monotonic() - p.asked)
+            res = self.lookups.take(key, max(left, 0.0) if wait else 0.0)
+            if res is None and left > 0 and not wait:
+                keep.append(p)
+                continue
+            if res is None:
+                self.lookups.drop(key)
+                log.info("radixd store lookup took longer than %.0f ms: not stored", self.deadline * 1e3)
+                self.dec_lock_ref(p.node)
+                continue
+            prefix, receipt = res
+            have, n = len(prefix), len(p.src)
+            if have >= n:  # radixd has it all: finishing counts the hit as SGLang's insert would
+                key = ("store", p.sid)
+                self.stores.hold(key, prefix, receipt)
+                self.stores.release(key, p.tokens, p.ns)
+                self.dec_lock_ref(p.node)
+                continue
+            pages = self.stores.take_pages((n - have) // self.page_size)
+            if pages is None:
+                try:
+                    self.rpcs += 1
+                    pages = self.client.alloc(n - have).reshape(-1, self.page_size)
+                except RadixdError as e:
+                    log.warning("radixd store skipped: %s", e)
+                    self._unlock(receipt)
+                    self.dec_lock_ref(p.node)
+                    continue
+            slots = np.array(pages.reshape(-1), dtype=np.int64)  # writable: torch takes it as is
+            event = self._copy_out(p.src[have:n], torch.from_numpy(slots).to(self.k[0].device))
+            self.stored_tokens += n - have
+            item = dict(sid=p.sid, prefix=prefix, receipt_id=receipt, tokens=p.tokens, prev_prefix_len=have,
+                        slots=slots, ns=p.ns)
+            self._stores.append(_Store(event, p.node, item))
+        self._plans = keep
+
     def _plan_store(self, tokens: np.ndarray, n: int, ns: dict) -> tuple[Optional[tuple], Optional[dict]]:
-        """Lead rank: lock radixd's prefix and hold slots for the rest; ((have, slots), the publish item)."""
+        """Lead rank (TP): lock radixd's prefix and hold slots for the rest; ((have, slots), the publish item)."""
         m = None
         try:
+            self.rpcs += 2
             m = self.client.match_prefix(tokens, lock=True, **ns)
             have = m.matched_len
             if have >= n:
@@ -349,12 +529,42 @@ class RadixdRadixCache(RadixCache):
     def on_release(self, req, *, checkpointed: bool) -> None:
         super().on_release(req, checkpointed=checkpointed)
         self._drop_marker(req.cache_request_handle)
+        self._forget(req.cache_request_handle)
 
     def release_aborted_request(self, handle) -> None:
         super().release_aborted_request(handle)
         self._drop_marker(handle)
+        self._forget(handle)
+
+
+def hook_queue(scheduler: Any, cache: RadixdRadixCache) -> None:
+    """Have the scheduler tell the cache of every request it queues (SGLang has no hook for a backend there)."""
+    add = scheduler._add_request_to_queue
+
+    def add_request_to_queue(req, *args: Any, **kwargs: Any):
+        out = add(req, *args, **kwargs)
+        cache.queued(req)
+        return out
+    scheduler._add_request_to_queue = add_request_to_queue
+
+
+def _building_scheduler() -> Any:
+    """The SGLang Scheduler whose constructor is building this cache (found on the call stack), or None."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        obj = frame.f_locals.get("self")
+        if type(obj).__name__ == "Scheduler" and callable(getattr(obj, "_add_request_to_queue", None)):
+            return obj
+        frame = frame.f_back
+    return None
 
 
 def factory(ctx) -> RadixdRadixCache:
     """`--radix-cache-backend radixd`: build the cache from SGLang's TreeCacheBuildContext."""
-    return RadixdRadixCache(ctx.params, tp_size=ctx.tp_size, tp_rank=ctx.tp_rank, tp_group=ctx.tp_group)
+    cache = RadixdRadixCache(ctx.params, tp_size=ctx.tp_size, tp_rank=ctx.tp_rank, tp_group=ctx.tp_group)
+    scheduler = _building_scheduler()
+    if scheduler is not None and cache.asynchronous:
+        hook_queue(scheduler, cache)
+    elif cache.asynchronous:
+        log.info("radixd backend: not built by SGLang's Scheduler; lookups start at the first match")
+    return cache

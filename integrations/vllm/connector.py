@@ -29,7 +29,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -42,6 +41,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                KVConnectorRole, KVConnectorWorkerMetadata)
 
 from radixd.client import CacheClient, RadixdError
+from radixd.client.background import EMPTY, Lookups, Stores
 from radixd.server.config import DEFAULT_SOCKET
 
 from .layout import Geometry, geometry, load_blocks, probe_cpu_layout, save_blocks
@@ -264,315 +264,13 @@ class _Meter:
                     hooks_us={k: [n, t / max(n, 1) * 1e6] for k, (n, t) in self.hooks.items()})
 
 
-class _Lookups:
-    """Prefix lookups off the scheduler thread: one MatchPrefix with lock per namespace for every request that
-    arrived since the last round, load-backs of host hits waited for here. The scheduler never waits on it
-    except while it has nothing else to run (see `_Scheduler.matched`)."""
-
-    def __init__(self, client: CacheClient, load_back: bool, stores: "_Stores"):
-        self.client, self.load_back, self.stores = client, load_back, stores
-        self._cv = threading.Condition()
-        self._queue: list[tuple[str, np.ndarray, tuple]] = []
-        self._done: dict[str, tuple[np.ndarray, int]] = {}
-        self._dropped: set[str] = set()  # given up on while in flight: released once they land
-        self._busy = False
-        self._stop = False
-        self.rpcs = 0  # calls made here (for tests and benchmarks)
-        self._thread = threading.Thread(target=self._run, name="radixd-lookups", daemon=True)
-        self._thread.start()
-
-    def submit(self, rid: str, tokens: np.ndarray, ns: dict[str, str]) -> None:
-        with self._cv:
-            self._queue.append((rid, tokens, tuple(sorted(ns.items()))))
-            self._cv.notify_all()
-
-    def take(self, rid: str, wait: float = 0.0) -> Optional[tuple[np.ndarray, int]]:
-        """The lookup's result, waiting up to `wait` seconds for it (a wait releases the GIL, so the lookup
-        thread runs at once instead of after the interpreter's switch interval, 5 ms per hand-over)."""
-        with self._cv:
-            if rid not in self._done and wait > 0:
-                self._cv.wait_for(lambda: rid in self._done, wait)
-            return self._done.pop(rid, None)
-
-    def drop(self, rid: str) -> None:
-        """The scheduler stopped waiting for this lookup: whatever it locked is released."""
-        with self._cv:
-            done = self._done.pop(rid, None)
-            if done is None:
-                self._dropped.add(rid)
-        if done is not None:
-            self.stores.unlock(done[1])
-
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                while not (self._queue or self._stop):
-                    self._cv.wait()
-                if self._stop and not self._queue:
-                    return
-                batch, self._queue = self._queue, []
-                self._busy = True
-            results, failed = {}, []
-            try:
-                results, failed = self._lookup(batch)
-            finally:
-                with self._cv:
-                    self._busy = False
-                    late = []
-                    for rid, res in results.items():
-                        if rid in self._dropped:
-                            self._dropped.discard(rid)
-                            late.append(res[1])
-                        else:
-                            self._done[rid] = res
-                    self._cv.notify_all()
-                for r in late + failed:
-                    self.stores.unlock(r)
-
-    def _lookup(self, batch: list) -> tuple[dict[str, tuple[np.ndarray, int]], list[int]]:
-        """Each request's locked prefix (empty on a miss or an error), and receipts of loads that failed."""
-        out: dict[str, tuple[np.ndarray, int]] = {}
-        failed_receipts: list[int] = []
-        groups: dict[tuple, list] = {}
-        for rid, tokens, ns in batch:
-            groups.setdefault(ns, []).append((rid, tokens))
-        for ns, items in groups.items():
-            try:
-                self.rpcs += 1
-                matches = self.client.match_batch([t for _, t in items], lock=True, **dict(ns))
-            except RadixdError as e:  # radixd down or refusing: misses, never failed requests
-                log.warning("radixd match failed: %s", e)
-                for rid, _ in items:
-                    out[rid] = (_EMPTY, 0)
-                continue
-            loads = []
-            for (rid, _), m in zip(items, matches):
-                out[rid] = (m.indices, m.receipt_id)
-                if self.load_back and m.host_hit_len:
-                    try:
-                        self.rpcs += 1
-                        lb = self.client.load_back(m.receipt_id)
-                        out[rid] = (lb.indices, lb.receipt_id)
-                        if lb.loaded_len:
-                            loads.append((rid, lb.transfer_id))
-                    except RadixdError as e:
-                        log.warning("radixd load-back failed: %s", e)
-            if loads:
-                try:
-                    self.rpcs += 1
-                    _, failed = self.client.wait_transfers([t for _, t in loads])
-                except RadixdError as e:
-                    failed = [t for _, t in loads]
-                    log.warning("radixd wait for load-backs failed: %s", e)
-                for rid, t in loads:
-                    if t in failed:  # its pages never arrived: a miss (its lock goes with the others)
-                        failed_receipts.append(out[rid][1])
-                        out[rid] = (_EMPTY, 0)
-        return out, failed_receipts
-
-    def idle(self) -> bool:
-        with self._cv:
-            return not (self._queue or self._busy)
-
-    def wait_idle(self, timeout: float) -> None:
-        """Until no lookup is out (a request may be waiting on one: it goes first)."""
-        with self._cv:
-            self._cv.wait_for(lambda: not (self._queue or self._busy), timeout)
-
-    def close(self) -> None:
-        with self._cv:
-            self._stop = True
-            self._cv.notify_all()
-        self._thread.join(timeout=30)
-
-
-class _Stores:
-    """Publishes, releases and a stock of radixd slots, off the scheduler thread. The thread owns each request's
-    radixd lock (prefix slots and receipt) from the moment the scheduler hands it over; operations run in the
-    order they were queued, batched per round: one CacheUnfinished for every publish (a request's second
-    publish goes in the next call, as it needs the first's receipt), one Unlock, one Free, one Alloc refill."""
-
-    def __init__(self, client: CacheClient, page: int, stock_max: int):
-        self.client, self.page, self.stock_max = client, page, stock_max
-        self._cv = threading.Condition()
-        self._ops: list[tuple] = []
-        self._held: dict[str, tuple[np.ndarray, int]] = {}  # rid -> (locked prefix slots, receipt)
-        self.refused: set[str] = set()  # requests whose publish failed: the scheduler stops storing them
-        self._stock = np.zeros((0, page), np.int64)  # held radixd pages for stores, one row each
-        self._want = 0  # pages the stock should hold
-        self._busy = False
-        self._stop = False
-        self.rpcs = 0
-        self.first: Optional[_Lookups] = None  # lookups run before this thread's calls
-        self._thread = threading.Thread(target=self._run, name="radixd-stores", daemon=True)
-        self._thread.start()
-
-    def _put(self, *op: Any) -> None:
-        with self._cv:
-            self._ops.append(op)
-            self._cv.notify_all()
-
-    def hold(self, rid: str, prefix: np.ndarray, receipt: int) -> None:
-        self._put("hold", rid, prefix, receipt)
-
-    def publish(self, rid: str, tokens: np.ndarray, start: int, slots: np.ndarray, ns: dict[str, str]) -> None:
-        self._put("publish", rid, tokens, start, slots, ns)
-
-    def release(self, rid: str) -> None:
-        self._put("release", rid)
-
-    def unlock(self, receipt: int) -> None:
-        if receipt:
-            self._put("unlock", receipt)
-
-    def free(self, slots: np.ndarray) -> None:
-        if len(slots):
-            self._put("free", slots)
-
-    def take_pages(self, n: int) -> Optional[np.ndarray]:
-        """n stocked pages (rows of slots), or None when the stock is short; the stock is kept at twice the
-        largest step seen (at most `slot_stock_tokens`), refilled when it falls to half."""
-        with self._cv:
-            self._want = max(self._want, min(2 * n, self.stock_max // self.page))
-            got = None
-            if len(self._stock) >= n:
-                got, self._stock = self._stock[:n], self._stock[n:]
-            if self._needs_refill():
-                self._cv.notify_all()
-            return got
-
-    def _needs_refill(self) -> bool:
-        return self._want > 0 and len(self._stock) <= self._want // 2
-
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                while not (self._ops or self._stop or self._needs_refill()):
-                    self._cv.wait()
-                if self._stop and not self._ops:
-                    return
-            if self.first is not None:
-                self.first.wait_idle(0.05)
-            with self._cv:
-                ops, self._ops = self._ops, []
-                self._busy = True
-            try:
-                self._round(ops)
-                self._refill()
-            except Exception:  # a bug here must not leave the scheduler waiting on a dead thread
-                log.exception("radixd store thread")
-            finally:
-                with self._cv:
-                    self._busy = False
-                    self._cv.notify_all()
-
-    def _round(self, ops: list[tuple]) -> None:
-        batch: list[tuple] = []  # (rid, item, slots)
-        unlocks: list[int] = []
-        frees: list[np.ndarray] = []
-        for op in ops:
-            kind, arg = op[0], op[1]
-            if kind in ("publish", "release") and any(b[0] == arg for b in batch):
-                self._publish(batch, frees)
-                batch = []
-            if kind == "hold":
-                self._held[arg] = (op[2], op[3])
-            elif kind == "publish":
-                _, rid, tokens, start, slots, ns = op
-                prefix, receipt = self._held.get(rid, (_EMPTY, 0))
-                if rid in self.refused or start != len(prefix):  # cannot attach: the pages are not kept
-                    frees.append(slots)
-                    self.refused.add(rid)
-                    continue
-                batch.append((rid, dict(tokens=tokens, indices=np.concatenate([prefix, slots]),
-                                        prev_prefix_len=len(prefix), receipt_id=receipt, **ns), slots))
-            elif kind == "release":
-                _, receipt = self._held.pop(arg, (_EMPTY, 0))
-                self.refused.discard(arg)
-                if receipt:
-                    unlocks.append(receipt)
-            elif kind == "unlock":
-                unlocks.append(arg)
-            elif kind == "free":
-                frees.append(arg)
-        if batch:
-            self._publish(batch, frees)
-        if unlocks:
-            self._unlock(unlocks)
-        if frees:
-            try:
-                self.rpcs += 1
-                self.client.free(np.concatenate(frees))
-            except RadixdError as e:
-                log.warning("radixd free failed: %s", e)
-
-    def _publish(self, batch: list[tuple], frees: list[np.ndarray]) -> None:
-        try:
-            self.rpcs += 1
-            res = self.client.cache_unfinished([item for _, item, _ in batch])
-        except RadixdError as e:
-            log.warning("radixd publish of %d requests failed: %s", len(batch), e)
-            for rid, _, slots in batch:
-                frees.append(slots)
-                self.refused.add(rid)
-            return
-        for (rid, _, _), (_, m) in zip(batch, res):
-            self._held[rid] = (m.indices, m.receipt_id)
-
-    def _unlock(self, receipts: list[int]) -> None:
-        try:
-            self.rpcs += 1
-            self.client.unlock(receipts)
-        except RadixdError as e:  # one stale receipt fails the call: release the rest one by one
-            log.info("radixd unlock of %d receipts failed (%s); retrying one by one", len(receipts), e)
-            for r in receipts:
-                try:
-                    self.rpcs += 1
-                    self.client.unlock([r])
-                except RadixdError:
-                    pass
-
-    def _refill(self) -> None:
-        with self._cv:
-            short = self._want - len(self._stock) if self._needs_refill() else 0
-        if short <= 0:
-            return
-        try:
-            self.rpcs += 1
-            got = self.client.alloc(short * self.page).reshape(-1, self.page).astype(np.int64)
-        except RadixdError as e:  # radixd is full of locked pages: stores fall back to Alloc on the scheduler
-            log.info("radixd slot stock refill failed: %s", e)
-            with self._cv:
-                self._want = len(self._stock)
-            return
-        with self._cv:
-            self._stock = np.concatenate([self._stock, got])
-
-    def idle(self) -> bool:
-        with self._cv:
-            return not (self._ops or self._busy)
-
-    def close(self) -> None:
-        """Release everything still held (locks, stocked slots), then stop."""
-        with self._cv:
-            for rid in list(self._held):
-                self._ops.append(("release", rid))
-            stock, self._stock, self._want = self._stock, np.zeros((0, self.page), np.int64), 0
-            if len(stock):
-                self._ops.append(("free", stock.reshape(-1)))
-            self._stop = True
-            self._cv.notify_all()
-        self._thread.join(timeout=30)
-
-
-_EMPTY = np.zeros(0, np.int64)
 
 
 class _Scheduler:
     """Per-engine bookkeeping: what each request found in radixd, loads, and stores in flight. The scheduler
-    thread makes no radixd call in the steady state: lookups run on `_Lookups`; slots for stores come from a
-    stock `_Stores` keeps filled (an Alloc here only when it runs short), and publishes and releases go to
-    `_Stores` too, batched over every request."""
+    thread makes no radixd call in the steady state: lookups run on `Lookups`; slots for stores come from a
+    stock `Stores` keeps filled (an Alloc here only when it runs short), and publishes and releases go to
+    `Stores` too, batched over every request."""
 
     def __init__(self, conn: RadixdConnector):
         self.conn = conn
@@ -588,8 +286,8 @@ class _Scheduler:
         self.running = 0  # requests past their lookup and not finished: the engine has other work
         self.hits = 0  # tokens loaded from radixd (for tests and logs)
         self.rpcs = 0  # calls made on the scheduler thread
-        self.background = _Stores(self.client, self.page, conn.slot_stock)
-        self.lookups = _Lookups(self.client, conn.load_back, self.background)
+        self.background = Stores(self.client, self.page, conn.slot_stock)
+        self.lookups = Lookups(self.client, conn.load_back, self.background)
         self.background.first = self.lookups
         self.meter = _Meter()
 
@@ -634,7 +332,7 @@ class _Scheduler:
                 self.lookups.drop(rid)
                 log.info("radixd lookup for %s took longer than %.0f ms: a miss", rid,
                          self.conn.lookup_deadline * 1e3)
-                res = (_EMPTY, 0)
+                res = (EMPTY, 0)
             st.pending = False
             self.running += 1
             st.prefix, receipt = res
@@ -744,9 +442,10 @@ class _Scheduler:
             self._finish(rid)
 
     def _finish(self, rid: str) -> None:
-        self.reqs.pop(rid)
+        st = self.reqs.pop(rid)
         self.running -= 1
-        self.background.release(rid)
+        n = self._align(len(st.tokens))  # a finished request: hits counted and host backups started
+        self.background.release(rid, np.asarray(st.tokens[:n], dtype=np.int32), st.ns)
 
     def close(self) -> None:
         for rid in list(self.reqs):

@@ -1,0 +1,351 @@
+"""Off the engine's scheduler thread: prefix lookups, publishes, releases and a stock of slots, each on its own
+thread and batched, so an engine integration never waits on a radixd call while it has other work."""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Hashable, Optional
+
+import numpy as np
+
+from .client import CacheClient
+from .errors import RadixdError
+
+log = logging.getLogger("radixd.client")
+EMPTY = np.zeros(0, np.int64)
+
+
+class Lookups:
+    """Prefix lookups off an engine's scheduler thread: one MatchPrefix with lock per namespace for every key
+    submitted since the last round, load-backs of host hits (when asked) waited for here. Results are taken by
+    key; a lookup given up on is released when it lands."""
+
+    def __init__(self, client: CacheClient, load_back: bool, stores: "Stores"):
+        self.client, self.load_back, self.stores = client, load_back, stores
+        self._cv = threading.Condition()
+        self._queue: list[tuple[Hashable, np.ndarray, tuple, bool]] = []
+        self._done: dict[Hashable, tuple[np.ndarray, int]] = {}
+        self._dropped: set[Hashable] = set()  # given up on while in flight: released once they land
+        self._busy = False
+        self._stop = False
+        self.rpcs = 0  # calls made here (for tests and benchmarks)
+        self._thread = threading.Thread(target=self._run, name="radixd-lookups", daemon=True)
+        self._thread.start()
+
+    def submit(self, rid: Hashable, tokens: np.ndarray, ns: dict[str, str], load_back: Optional[bool] = None) -> None:
+        """Look the tokens up (locking what matched); `load_back` overrides the default for this key."""
+        with self._cv:
+            self._queue.append((rid, tokens, tuple(sorted(ns.items())), self.load_back if load_back is None
+                                else load_back))
+            self._cv.notify_all()
+
+    def take(self, rid: Hashable, wait: float = 0.0) -> Optional[tuple[np.ndarray, int]]:
+        """The lookup's result, waiting up to `wait` seconds for it (a wait releases the GIL, so the lookup
+        thread runs at once instead of after the interpreter's switch interval, 5 ms per hand-over)."""
+        with self._cv:
+            if rid not in self._done and wait > 0:
+                self._cv.wait_for(lambda: rid in self._done, wait)
+            return self._done.pop(rid, None)
+
+    def drop(self, rid: Hashable) -> None:
+        """The scheduler stopped waiting for this lookup: whatever it locked is released."""
+        with self._cv:
+            done = self._done.pop(rid, None)
+            if done is None:
+                self._dropped.add(rid)
+        if done is not None:
+            self.stores.unlock(done[1])
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._queue or self._stop):
+                    self._cv.wait()
+                if self._stop and not self._queue:
+                    return
+                batch, self._queue = self._queue, []
+                self._busy = True
+            results, failed = {}, []
+            try:
+                results, failed = self._lookup(batch)
+            finally:
+                with self._cv:
+                    self._busy = False
+                    late = []
+                    for rid, res in results.items():
+                        if rid in self._dropped:
+                            self._dropped.discard(rid)
+                            late.append(res[1])
+                        else:
+                            self._done[rid] = res
+                    self._cv.notify_all()
+                for r in late + failed:
+                    self.stores.unlock(r)
+
+    def _lookup(self, batch: list) -> tuple[dict[Hashable, tuple[np.ndarray, int]], list[int]]:
+        """Each request's locked prefix (empty on a miss or an error), and receipts of loads that failed."""
+        out: dict[Hashable, tuple[np.ndarray, int]] = {}
+        failed_receipts: list[int] = []
+        groups: dict[tuple, list] = {}
+        for rid, tokens, ns, lb in batch:
+            groups.setdefault(ns, []).append((rid, tokens, lb))
+        for ns, items in groups.items():
+            try:
+                self.rpcs += 1
+                matches = self.client.match_batch([t for _, t, _ in items], lock=True, **dict(ns))
+            except RadixdError as e:  # radixd down or refusing: misses, never failed requests
+                log.warning("radixd match failed: %s", e)
+                for rid, _, _ in items:
+                    out[rid] = (EMPTY, 0)
+                continue
+            loads = []
+            for (rid, _, lb), m in zip(items, matches):
+                out[rid] = (m.indices, m.receipt_id)
+                if lb and m.host_hit_len:
+                    try:
+                        self.rpcs += 1
+                        lb = self.client.load_back(m.receipt_id)
+                        out[rid] = (lb.indices, lb.receipt_id)
+                        if lb.loaded_len:
+                            loads.append((rid, lb.transfer_id))
+                    except RadixdError as e:
+                        log.warning("radixd load-back failed: %s", e)
+            if loads:
+                try:
+                    self.rpcs += 1
+                    _, failed = self.client.wait_transfers([t for _, t in loads])
+                except RadixdError as e:
+                    failed = [t for _, t in loads]
+                    log.warning("radixd wait for load-backs failed: %s", e)
+                for rid, t in loads:
+                    if t in failed:  # its pages never arrived: a miss (its lock goes with the others)
+                        failed_receipts.append(out[rid][1])
+                        out[rid] = (EMPTY, 0)
+        return out, failed_receipts
+
+    def idle(self) -> bool:
+        with self._cv:
+            return not (self._queue or self._busy)
+
+    def wait_idle(self, timeout: float) -> None:
+        """Until no lookup is out (a request may be waiting on one: it goes first)."""
+        with self._cv:
+            self._cv.wait_for(lambda: not (self._queue or self._busy), timeout)
+
+    def close(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        self._thread.join(timeout=30)
+
+
+class Stores:
+    """Publishes, releases and a stock of radixd slots, off an engine's scheduler thread. The thread owns each request's
+    radixd lock (prefix slots and receipt) from the moment the scheduler hands it over; operations run in the
+    order they were queued, batched per round: one CacheUnfinished for every publish (a request's second
+    publish goes in the next call, as it needs the first's receipt), one Unlock, one Free, one Alloc refill."""
+
+    def __init__(self, client: CacheClient, page: int, stock_max: int):
+        self.client, self.page, self.stock_max = client, page, stock_max
+        self._cv = threading.Condition()
+        self._ops: list[tuple] = []
+        self._held: dict[Hashable, tuple[np.ndarray, int]] = {}  # rid -> (locked prefix slots, receipt)
+        self.refused: set[Hashable] = set()  # requests whose publish failed: the scheduler stops storing them
+        self._stock = np.zeros((0, page), np.int64)  # held radixd pages for stores, one row each
+        self._want = 0  # pages the stock should hold
+        self._busy = False
+        self._stop = False
+        self.rpcs = 0
+        self.first: Optional[Lookups] = None  # lookups run before this thread's calls
+        self._thread = threading.Thread(target=self._run, name="radixd-stores", daemon=True)
+        self._thread.start()
+
+    def _put(self, *op: Any) -> None:
+        with self._cv:
+            self._ops.append(op)
+            self._cv.notify_all()
+
+    def hold(self, rid: Hashable, prefix: np.ndarray, receipt: int) -> None:
+        self._put("hold", rid, prefix, receipt)
+
+    def publish(self, rid: Hashable, tokens: np.ndarray, start: int, slots: np.ndarray, ns: dict[str, str],
+                finished: bool = False) -> None:
+        """Attach `slots` (the pages of tokens[start:]) after the request's locked prefix: CacheUnfinished (the
+        lock moves to the longer prefix), or CacheFinished when `finished` (the lock goes)."""
+        self._put("publish", rid, tokens, start, slots, ns, finished)
+
+    def release(self, rid: Hashable, tokens: Optional[np.ndarray] = None, ns: Optional[dict[str, str]] = None) -> None:
+        """Let go of the request's lock: with its tokens, as a finished request (CacheFinished over what it
+        holds: hits counted, write-through backups started, as SGLang's cache_finished_req); else Unlock."""
+        self._put("release", rid, tokens, ns)
+
+    def unlock(self, receipt: int) -> None:
+        if receipt:
+            self._put("unlock", receipt)
+
+    def free(self, slots: np.ndarray) -> None:
+        if len(slots):
+            self._put("free", slots)
+
+    def take_pages(self, n: int) -> Optional[np.ndarray]:
+        """n stocked pages (rows of slots), or None when the stock is short; the stock is kept at twice the
+        largest step seen (at most `slot_stock_tokens`), refilled when it falls to half."""
+        with self._cv:
+            self._want = max(self._want, min(2 * n, self.stock_max // self.page))
+            got = None
+            if len(self._stock) >= n:
+                got, self._stock = self._stock[:n], self._stock[n:]
+            if self._needs_refill():
+                self._cv.notify_all()
+            return got
+
+    def _needs_refill(self) -> bool:
+        return self._want > 0 and len(self._stock) <= self._want // 2
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._ops or self._stop or self._needs_refill()):
+                    self._cv.wait()
+                if self._stop and not self._ops:
+                    return
+            if self.first is not None:
+                self.first.wait_idle(0.05)
+            with self._cv:
+                ops, self._ops = self._ops, []
+                self._busy = True
+            try:
+                self._round(ops)
+                self._refill()
+            except Exception:  # a bug here must not leave the scheduler waiting on a dead thread
+                log.exception("radixd store thread")
+            finally:
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()
+
+    def _round(self, ops: list[tuple]) -> None:
+        batch: list[tuple] = []  # (rid, item, new slots, finished)
+        unlocks: list[int] = []
+        frees: list[np.ndarray] = []
+        for op in ops:
+            kind, rid = op[0], op[1]
+            if kind in ("publish", "release") and any(b[0] == rid for b in batch):
+                self._publish(batch, frees, unlocks)  # its next call needs this one's receipt
+                batch = []
+            if kind == "hold":
+                self._held[rid] = (op[2], op[3])
+            elif kind == "publish":
+                _, _, tokens, start, slots, ns, finished = op
+                prefix, receipt = self._held.get(rid, (EMPTY, 0))
+                if rid in self.refused or start != len(prefix):  # cannot attach: the pages are not kept
+                    frees.append(slots)
+                    self.refused.add(rid)
+                    continue
+                batch.append((rid, dict(tokens=tokens, indices=np.concatenate([prefix, slots]),
+                                        prev_prefix_len=len(prefix), receipt_id=receipt, **ns), slots, finished))
+            elif kind == "release":
+                _, _, tokens, ns = op
+                prefix, receipt = self._held.pop(rid, (EMPTY, 0))
+                self.refused.discard(rid)
+                if receipt and tokens is not None and len(prefix):
+                    batch.append((rid, dict(tokens=tokens[:len(prefix)], indices=prefix, prev_prefix_len=len(prefix),
+                                            receipt_id=receipt, **ns), EMPTY, True))
+                elif receipt:
+                    unlocks.append(receipt)
+            elif kind == "unlock":
+                unlocks.append(rid)
+            elif kind == "free":
+                frees.append(rid)
+        if batch:
+            self._publish(batch, frees, unlocks)
+        if unlocks:
+            self._unlock(unlocks)
+        if frees:
+            try:
+                self.rpcs += 1
+                self.client.free(np.concatenate(frees))
+            except RadixdError as e:
+                log.warning("radixd free failed: %s", e)
+
+    def _publish(self, batch: list[tuple], frees: list[np.ndarray], unlocks: list[int]) -> None:
+        """One CacheUnfinished for the unfinished items, one CacheFinished for the finished ones."""
+        for finished in (False, True):
+            part = [b for b in batch if b[3] == finished]
+            if not part:
+                continue
+            try:
+                self.rpcs += 1
+                if finished:
+                    self.client.cache_finished([item for _, item, _, _ in part])
+                else:
+                    res = self.client.cache_unfinished([item for _, item, _, _ in part])
+            except RadixdError as e:  # refused as a whole: nothing changed in radixd
+                log.warning("radixd publish of %d requests failed: %s", len(part), e)
+                for rid, item, slots, _ in part:
+                    frees.append(slots)
+                    if finished:
+                        unlocks.append(item["receipt_id"])
+                    else:
+                        self.refused.add(rid)
+                continue
+            for rid, _, _, _ in part:
+                if finished:
+                    self._held.pop(rid, None)
+            if not finished:
+                for (rid, _, _, _), (_, m) in zip(part, res):
+                    self._held[rid] = (m.indices, m.receipt_id)
+
+    def _unlock(self, receipts: list[int]) -> None:
+        try:
+            self.rpcs += 1
+            self.client.unlock(receipts)
+        except RadixdError as e:  # one stale receipt fails the call: release the rest one by one
+            log.info("radixd unlock of %d receipts failed (%s); retrying one by one", len(receipts), e)
+            for r in receipts:
+                try:
+                    self.rpcs += 1
+                    self.client.unlock([r])
+                except RadixdError:
+                    pass
+
+    def _refill(self) -> None:
+        with self._cv:
+            short = self._want - len(self._stock) if self._needs_refill() else 0
+        if short <= 0:
+            return
+        try:
+            self.rpcs += 1
+            got = self.client.alloc(short * self.page).reshape(-1, self.page).astype(np.int64)
+        except RadixdError as e:  # radixd is full of locked pages: stores fall back to Alloc on the scheduler
+            log.info("radixd slot stock refill failed: %s", e)
+            with self._cv:
+                self._want = len(self._stock)
+            return
+        with self._cv:
+            self._stock = np.concatenate([self._stock, got])
+
+    def idle(self) -> bool:
+        with self._cv:
+            return not (self._ops or self._busy)
+
+    def wait_idle(self, timeout: float) -> None:
+        with self._cv:
+            self._cv.wait_for(lambda: not (self._ops or self._busy), timeout)
+
+    def stocked(self) -> int:
+        """Tokens of radixd slots held ready (radixd counts them as held)."""
+        with self._cv:
+            return len(self._stock) * self.page
+
+    def close(self) -> None:
+        """Release everything still held (locks, stocked slots), then stop."""
+        with self._cv:
+            for rid in list(self._held):
+                self._ops.append(("release", rid, None, None))
+            stock, self._stock, self._want = self._stock, np.zeros((0, self.page), np.int64), 0
+            if len(stock):
+                self._ops.append(("free", stock.reshape(-1)))
+            self._stop = True
+            self._cv.notify_all()
+        self._thread.join(timeout=30)
