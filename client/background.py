@@ -153,6 +153,7 @@ class Stores:
         self.refused: set[Hashable] = set()  # requests whose publish failed: the scheduler stops storing them
         self._stock = np.zeros((0, page), np.int64)  # held radixd pages for stores, one row each
         self._want = 0  # pages the stock should hold
+        self._taken = 0  # pages asked for since the last refill
         self._busy = False
         self._stop = False
         self.rpcs = 0
@@ -188,10 +189,11 @@ class Stores:
             self._put("free", slots)
 
     def take_pages(self, n: int) -> Optional[np.ndarray]:
-        """n stocked pages (rows of slots), or None when the stock is short; the stock is kept at twice the
-        largest step seen (at most `slot_stock_tokens`), refilled when it falls to half."""
+        """n stocked pages (rows of slots), or None when the stock is short; the stock is kept at twice the most
+        pages taken between two refills (at most `slot_stock_tokens`), refilled when it falls to half."""
         with self._cv:
-            self._want = max(self._want, min(2 * n, self.stock_max // self.page))
+            self._taken += n
+            self._want = max(self._want, min(2 * self._taken, self.stock_max // self.page))
             got = None
             if len(self._stock) >= n:
                 got, self._stock = self._stock[:n], self._stock[n:]
@@ -312,6 +314,7 @@ class Stores:
     def _refill(self) -> None:
         with self._cv:
             short = self._want - len(self._stock) if self._needs_refill() else 0
+            self._taken = 0
         if short <= 0:
             return
         try:

@@ -1,0 +1,212 @@
+"""SGLang backend benchmark: what `radixd.sglang.RadixdRadixCache` costs SGLang's scheduler thread, per request
+and in radixd calls per scheduler step, at batch sizes 1, 16 and 128, against SGLang's own RadixCache doing
+the same operations in the same run.
+
+SGLang's scheduler does not run on CPU here, so its calls are driven as it makes them, on SGLang 0.5.23's own
+cache classes and CPU KV pools (in `.venv-sglang`, built by .ci/run; or RADIXD_SGLANG_PYTHON): a step queues
+--batch requests (the backend's `queued`, as the wrapped `_add_request_to_queue`), then matches each
+(match_prefix, init_load_back on a radixd hit), allocates, writes its KV ("the forward", not timed), checkpoints
+it finished and releases it. Timed: every cache call of a request (a step-wide call's time shared by its
+requests). Two modes: "miss" (radixd cold: every request stores its pages) and "hit" (a fresh engine on the
+same prompts: every request loads them from radixd). RPCs per step: on the scheduler thread, and on the
+backend's lookup and store threads.
+
+    python bench/sglang_bench.py [--batches 1,16,128] [--prompts 256] [--length 256] [--page 16]
+
+Last line: RESULT sched_p50_us_<mode>_<batch>=... extra_p50_us_<mode>_<batch>=... (over SGLang's own cache)
+max_rpcs_per_step_<mode>_<batch>=...
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LAYERS, HEADS, DIM = 2, 2, 32
+
+
+def _python() -> str:
+    for cand in (os.environ.get("RADIXD_SGLANG_PYTHON"), ROOT / ".venv-sglang" / "bin" / "python"):
+        if cand and Path(cand).exists():
+            return str(cand)
+    raise SystemExit("no SGLang venv: run .ci/run once (it builds .venv-sglang) or set RADIXD_SGLANG_PYTHON")
+
+
+def engine_side(target: str, batch: int, prompts: int, length: int, page: int) -> dict:
+    """In SGLang's venv: both modes at one batch size, backend and plain cache; per-request times and RPCs."""
+    import random
+    from array import array
+    from dataclasses import dataclass, field
+
+    sys.path.insert(0, str(ROOT))
+    from tests.sglang_cpu import stub_torchvision
+    stub_torchvision()
+    import numpy as np
+    import torch
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle, InitLoadBackParams, MatchPrefixParams
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+    from radixd.sglang.backend import RadixdRadixCache
+
+    @dataclass
+    class Kv:
+        req_pool_idx: int
+        cache_protected_len: int = 0
+        cache_inserted_len: int = 0
+        swa_evict_floor: int = 0
+        kv_committed_len: int = 0
+
+    @dataclass
+    class Req:  # the fields SGLang 0.5.23's cache reads
+        rid: str
+        origin_input_ids: array
+        kv: Kv
+        output_ids: array = field(default_factory=lambda: array("q"))
+        extra_key: object = None
+        cache_salt: object = None
+        priority: int = 0
+        lock: object = None
+        last_node: object = None
+        done: bool = False
+
+        @property
+        def cache_request_handle(self):
+            return CacheRequestHandle(self.rid, 0)
+
+        @property
+        def full_untruncated_fill_ids(self):
+            return self.origin_input_ids + self.output_ids
+
+        def finished(self):
+            return self.done
+
+    rng = random.Random(5)
+    texts = [array("q", [rng.randrange(1, 30000) for _ in range(length)]) for _ in range(prompts)]
+    slots = (batch + 2) * (length + page) * 2
+
+    def build(backend: bool):
+        r2t = ReqToTokenPool(size=batch + 1, max_context_len=length + page, device="cpu", enable_memory_saver=False)
+        kv = MHATokenToKVPool(size=slots, page_size=page, dtype=torch.float32, head_num=HEADS, head_dim=DIM,
+                              layer_num=LAYERS, device="cpu", enable_memory_saver=False)
+        alloc = PagedTokenToKVPoolAllocator(slots, page, torch.float32, "cpu", kv, False)
+        params = CacheInitParams(disable=False, req_to_token_pool=r2t, token_to_kv_pool_allocator=alloc, page_size=page)
+        return (RadixdRadixCache(params, target=target) if backend else RadixCache(params)), r2t, kv, alloc
+
+    def run(backend: bool, tag: str) -> dict:
+        cache, r2t, kv, alloc = build(backend)
+        spent: list[float] = []
+        steps: list[tuple[int, int, int]] = []
+        for g in range(0, prompts, batch):
+            reqs = [Req(f"{tag}{g + i}", texts[g + i], Kv(i + 1)) for i in range(min(batch, prompts - g))]
+            before = (getattr(cache, "rpcs", 0), *((cache.lookups.rpcs, cache.stores.rpcs) if backend else (0, 0)))
+            times = [0.0] * len(reqs)
+            t = time.perf_counter()
+            if backend:
+                for r in reqs:
+                    cache.queued(r)
+            share = (time.perf_counter() - t) / len(reqs)
+            for i, r in enumerate(reqs):
+                t = time.perf_counter()
+                ids = r.full_untruncated_fill_ids
+                key = RadixKey(ids, None, limit=len(ids) - 1)
+                m = cache.match_prefix(MatchPrefixParams(key=key, req=r))
+                node = m.last_device_node
+                if m.host_hit_length:
+                    _, node = cache.init_load_back(InitLoadBackParams(m.best_match_node, m.host_hit_length, req=r))
+                prefix = cache.path_device_indices(node).to(torch.int64)
+                lock = cache.lock(node)
+                times[i] += time.perf_counter() - t
+                have, n = len(prefix), len(ids)
+                new = alloc.alloc(-(-(n - have) // page) * page)
+                assert new is not None, "the bench's pool is too small"
+                new = new[:n - have]
+                r2t.req_to_token[r.kv.req_pool_idx, :have] = prefix.to(torch.int32)
+                r2t.req_to_token[r.kv.req_pool_idx, have:n] = new.to(torch.int32)
+                for layer in range(LAYERS):  # "the forward"
+                    kv.k_buffer[layer][new] = 1.0
+                    kv.v_buffer[layer][new] = 2.0
+                r.kv.cache_protected_len, r.kv.kv_committed_len, r.last_node, r.lock, r.done = have, n, node, lock, True
+                t = time.perf_counter()
+                cache.checkpoint(r, up_to=n)
+                cache.unlock(r.lock)
+                cache.on_release(r, checkpointed=True)
+                times[i] += time.perf_counter() - t
+                tail = r2t.req_to_token[r.kv.req_pool_idx, r.kv.cache_protected_len:n].to(torch.int64)
+                if tail.numel():
+                    alloc.free(tail)
+            spent += [x + share for x in times]
+            after = (getattr(cache, "rpcs", 0), *((cache.lookups.rpcs, cache.stores.rpcs) if backend else (0, 0)))
+            steps.append(tuple(a - b for a, b in zip(after, before)))
+            if backend:
+                cache.check_hicache_events()
+            from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+            cache.evict(EvictParams(num_tokens=cache.evictable_size()))  # room for the next step's prompts
+        loaded = getattr(cache, "loaded_tokens", 0)
+        if backend:
+            cache.settle()
+            cache.shutdown()
+        s = sorted(spent)
+        return dict(p50_us=s[len(s) // 2] * 1e6, p99_us=s[min(len(s) - 1, int(0.99 * len(s)))] * 1e6,
+                    max_rpcs=max(x[0] for x in steps), mean_rpcs=float(np.mean([x[0] for x in steps])),
+                    max_bg=max(x[1] + x[2] for x in steps), mean_bg=float(np.mean([x[1] + x[2] for x in steps])),
+                    loaded=loaded)
+
+    from sglang.srt.runtime_context import publish
+    from sglang.srt.server_args import ServerArgs
+    publish(ServerArgs(model_path="dummy", device="cpu", page_size=page), role="scheduler")
+    out = {"plain": run(False, "p")}
+    out["miss"] = run(True, "a")  # radixd cold: every request stores
+    out["hit"] = run(True, "b")  # a fresh engine: every request loads from radixd
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", default="1,16,128")
+    ap.add_argument("--prompts", type=int, default=256)
+    ap.add_argument("--length", type=int, default=256)
+    ap.add_argument("--page", type=int, default=16)
+    ap.add_argument("--engine", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.engine:
+        print(json.dumps(engine_side(args.engine, int(args.batches), args.prompts, args.length, args.page)))
+        return
+    sys.path.insert(0, str(ROOT))
+    from tests.conftest import ServerProc
+    py = _python()
+    results: dict[str, float] = {}
+    print(f"{'batch':>5} {'mode':>5} {'p50 us':>8} {'p99 us':>8} {'SGLang alone p50':>16} {'extra p50':>9} "
+          f"{'rpcs/step max':>13} {'mean':>5} {'background rpcs/step max':>24} {'mean':>5} {'loaded':>7}")
+    for batch in [int(x) for x in args.batches.split(",")]:
+        srv = ServerProc("--num-slots", str(4 * args.prompts * (args.length + args.page)), "--page-size",
+                         str(args.page), "--layers", str(LAYERS), "--kv-heads", str(HEADS), "--head-dim", str(DIM),
+                         "--dtype", "float32")
+        try:
+            r = subprocess.run([py, __file__, "--engine", srv.target, "--batches", str(batch), "--prompts",
+                                str(args.prompts), "--length", str(args.length), "--page", str(args.page)],
+                               capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ""}, timeout=1800)
+        finally:
+            srv.stop()
+        if r.returncode != 0:
+            raise SystemExit(r.stdout[-2000:] + r.stderr[-4000:])
+        res = json.loads(r.stdout.strip().splitlines()[-1])
+        base = res["plain"]["p50_us"]
+        for mode in ("miss", "hit"):
+            m = res[mode]
+            print(f"{batch:5d} {mode:>5} {m['p50_us']:8.0f} {m['p99_us']:8.0f} {base:16.0f} {m['p50_us'] - base:9.0f} "
+                  f"{m['max_rpcs']:13d} {m['mean_rpcs']:5.2f} {m['max_bg']:24d} {m['mean_bg']:5.2f} {m['loaded']:7d}")
+            results[f"sched_p50_us_{mode}_{batch}"] = m["p50_us"]
+            results[f"extra_p50_us_{mode}_{batch}"] = m["p50_us"] - base
+            results[f"max_rpcs_per_step_{mode}_{batch}"] = m["max_rpcs"]
+    print("RESULT " + " ".join(f"{k}={v:.3f}" for k, v in results.items()))
+
+
+if __name__ == "__main__":
+    main()
