@@ -41,51 +41,18 @@ def engine_side(target: str, batch: int, prompts: int, length: int, page: int) -
     """In SGLang's venv: both modes at one batch size, backend and plain cache; per-request times and RPCs."""
     import random
     from array import array
-    from dataclasses import dataclass, field
 
     sys.path.insert(0, str(ROOT))
-    from tests.sglang_cpu import stub_torchvision
+    from tests.sglang_cpu import Kv, Req, stub_torchvision
     stub_torchvision()
     import numpy as np
     import torch
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
-    from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle, InitLoadBackParams, MatchPrefixParams
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InitLoadBackParams, MatchPrefixParams
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
     from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
     from radixd.sglang.backend import RadixdRadixCache
-
-    @dataclass
-    class Kv:
-        req_pool_idx: int
-        cache_protected_len: int = 0
-        cache_inserted_len: int = 0
-        swa_evict_floor: int = 0
-        kv_committed_len: int = 0
-
-    @dataclass
-    class Req:  # the fields SGLang 0.5.23's cache reads
-        rid: str
-        origin_input_ids: array
-        kv: Kv
-        output_ids: array = field(default_factory=lambda: array("q"))
-        extra_key: object = None
-        cache_salt: object = None
-        priority: int = 0
-        lock: object = None
-        last_node: object = None
-        done: bool = False
-
-        @property
-        def cache_request_handle(self):
-            return CacheRequestHandle(self.rid, 0)
-
-        @property
-        def full_untruncated_fill_ids(self):
-            return self.origin_input_ids + self.output_ids
-
-        def finished(self):
-            return self.done
 
     rng = random.Random(5)
     texts = [array("q", [rng.randrange(1, 30000) for _ in range(length)]) for _ in range(prompts)]
@@ -146,7 +113,6 @@ def engine_side(target: str, batch: int, prompts: int, length: int, page: int) -
             steps.append(tuple(a - b for a, b in zip(after, before)))
             if backend:
                 cache.check_hicache_events()
-            from sglang.srt.mem_cache.base_prefix_cache import EvictParams
             cache.evict(EvictParams(num_tokens=cache.evictable_size()))  # room for the next step's prompts
         loaded = getattr(cache, "loaded_tokens", 0)
         if backend:

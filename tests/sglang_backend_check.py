@@ -15,18 +15,14 @@ import random
 import sys
 import time
 from array import array
-from dataclasses import dataclass, field
-from typing import Any, Optional
-
-
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tests.sglang_cpu import stub_torchvision  # noqa: E402
+from tests.sglang_cpu import Kv, Req, stub_torchvision  # noqa: E402
 
 stub_torchvision()
 import torch  # noqa: E402
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator  # noqa: E402
-from sglang.srt.mem_cache.base_prefix_cache import (CacheRequestHandle, EvictParams, InitLoadBackParams,  # noqa: E402
+from sglang.srt.mem_cache.base_prefix_cache import (EvictParams, InitLoadBackParams,  # noqa: E402
                                                     InsertParams, MatchPrefixParams)
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool  # noqa: E402
@@ -37,42 +33,6 @@ from radixd.sglang.backend import SUPPORTED_SGLANG, RadixdRadixCache  # noqa: E4
 
 PAGE, LAYERS, HEADS, DIM = 4, 2, 2, 8
 TARGET = sys.argv[1]
-
-
-@dataclass
-class Kv:
-    req_pool_idx: int
-    cache_protected_len: int = 0
-    cache_inserted_len: int = 0
-    swa_evict_floor: int = 0
-    kv_committed_len: int = 0
-
-
-@dataclass
-class Req:
-    """The request fields SGLang 0.5.23's RadixCache reads (match, checkpoint, release)."""
-
-    rid: str
-    origin_input_ids: array  # array('q'), as SGLang's scheduler keeps token ids
-    kv: Kv
-    output_ids: array = field(default_factory=lambda: array("q"))
-    extra_key: Optional[str] = None
-    cache_salt: Optional[str] = None
-    priority: int = 0
-    lock: Any = None
-    last_node: Any = None
-    done: bool = False
-
-    @property
-    def cache_request_handle(self) -> CacheRequestHandle:
-        return CacheRequestHandle(self.rid, 0)
-
-    @property
-    def full_untruncated_fill_ids(self) -> array:
-        return self.origin_input_ids + self.output_ids
-
-    def finished(self) -> bool:
-        return self.done
 
 
 class Engine:

@@ -6,6 +6,9 @@ import importlib.abc
 import importlib.machinery
 import sys
 import types
+from array import array
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 
 def stub_torchvision() -> None:
@@ -27,3 +30,42 @@ def stub_torchvision() -> None:
             pass
 
     sys.meta_path.insert(0, Stub())
+
+
+@dataclass
+class Kv:
+    """The request's KV bookkeeping fields SGLang 0.5.23's RadixCache reads."""
+
+    req_pool_idx: int
+    cache_protected_len: int = 0
+    cache_inserted_len: int = 0
+    swa_evict_floor: int = 0
+    kv_committed_len: int = 0
+
+
+@dataclass
+class Req:
+    """The request fields SGLang 0.5.23's RadixCache reads (match, checkpoint, release)."""
+
+    rid: str
+    origin_input_ids: array  # array('q'), as SGLang's scheduler keeps token ids
+    kv: Kv
+    output_ids: array = field(default_factory=lambda: array("q"))
+    extra_key: Optional[str] = None
+    cache_salt: Optional[str] = None
+    priority: int = 0
+    lock: Any = None
+    last_node: Any = None
+    done: bool = False
+
+    @property
+    def cache_request_handle(self) -> Any:
+        from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
+        return CacheRequestHandle(self.rid, 0)
+
+    @property
+    def full_untruncated_fill_ids(self) -> array:
+        return self.origin_input_ids + self.output_ids
+
+    def finished(self) -> bool:
+        return self.done

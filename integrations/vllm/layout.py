@@ -14,6 +14,7 @@ A page moves in one gather or scatter per layer; values are copied exactly.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -88,11 +89,17 @@ def _page_index(slots: torch.Tensor, block_size: int) -> torch.Tensor:
     return (slots.view(-1, 1) + torch.arange(block_size, device=slots.device)).view(-1)
 
 
-def _probed(g: Geometry, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+@functools.lru_cache(maxsize=16)
+def _probed(g: Geometry, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    """Worked out once per geometry: the positions the kernel writes, the element each holds, where each element
+    of [2, b, H, D] sits in the block, and whether every position is written (no padding)."""
     if g.source is None:
         raise ValueError("a CPU block layout must be probed first (probe_cpu_layout)")
-    pos = torch.nonzero(g.written).view(-1).to(device)
-    return pos, g.source[g.written].to(device)
+    pos = torch.nonzero(g.written).view(-1)
+    src = g.source[g.written]
+    gather = torch.empty_like(pos)
+    gather[src] = pos
+    return pos.to(device), src.to(device), gather.to(device), bool(g.written.all())
 
 
 def load_blocks(kv: torch.Tensor, g: Geometry, blocks: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -103,12 +110,15 @@ def load_blocks(kv: torch.Tensor, g: Geometry, blocks: torch.Tensor, k: torch.Te
     ks = k.index_select(0, idx).view(n, b, g.kv_heads, g.head_dim)
     vs = v.index_select(0, idx).view(n, b, g.kv_heads, g.head_dim)
     if g.layout == "cpu":
-        pos, src = _probed(g, kv.device)
+        pos, src, _, dense = _probed(g, kv.device)
         both = torch.stack([ks, vs], dim=1).reshape(n, -1).to(kv.dtype)  # [n, 2 * b * H * D]
         flat = kv.view(g.num_blocks, -1)
-        rows = flat[blocks]
-        rows[:, pos] = both[:, src]
-        flat[blocks] = rows
+        if dense:  # every position is written: one gather builds whole blocks (pos is then 0..len-1)
+            flat.index_copy_(0, blocks, both.index_select(1, src))
+        else:  # the padding stays as it is
+            rows = flat[blocks]
+            rows[:, pos] = both[:, src]
+            flat[blocks] = rows
     else:
         kv[0, blocks] = ks.to(kv.dtype)
         kv[1, blocks] = vs.to(kv.dtype)
@@ -120,10 +130,8 @@ def save_blocks(kv: torch.Tensor, g: Geometry, blocks: torch.Tensor, k: torch.Te
     idx = _page_index(page_starts, g.block_size)
     n, b = blocks.numel(), g.block_size
     if g.layout == "cpu":
-        pos, src = _probed(g, kv.device)
-        rows = kv.view(g.num_blocks, -1)[blocks]
-        both = torch.empty(n, 2 * b * g.kv_heads * g.head_dim, dtype=kv.dtype, device=kv.device)
-        both[:, src] = rows[:, pos]
+        _, _, gather, _ = _probed(g, kv.device)
+        both = kv.view(g.num_blocks, -1).index_select(0, blocks).index_select(1, gather)  # one gather per block
         both = both.view(n, 2, b * g.kv_heads, g.head_dim)
         ks = both[:, 0].reshape(-1, g.kv_heads, g.head_dim)
         vs = both[:, 1].reshape(-1, g.kv_heads, g.head_dim)
