@@ -70,6 +70,7 @@ def engine_side(target: str, batch: int, prompts: int, length: int, page: int) -
         cache, r2t, kv, alloc = build(backend)
         spent: list[float] = []
         steps: list[tuple[int, int, int]] = []
+        phases = dict(queued=0.0, match=0.0, load_back=0.0, checkpoint=0.0, release=0.0)
         for g in range(0, prompts, batch):
             reqs = [Req(f"{tag}{g + i}", texts[g + i], Kv(i + 1)) for i in range(min(batch, prompts - g))]
             before = (getattr(cache, "rpcs", 0), *((cache.lookups.rpcs, cache.stores.rpcs) if backend else (0, 0)))
@@ -79,14 +80,18 @@ def engine_side(target: str, batch: int, prompts: int, length: int, page: int) -
                 for r in reqs:
                     cache.queued(r)
             share = (time.perf_counter() - t) / len(reqs)
+            phases["queued"] += time.perf_counter() - t
             for i, r in enumerate(reqs):
                 t = time.perf_counter()
                 ids = r.full_untruncated_fill_ids
                 key = RadixKey(ids, None, limit=len(ids) - 1)
                 m = cache.match_prefix(MatchPrefixParams(key=key, req=r))
+                t1 = time.perf_counter()
+                phases["match"] += t1 - t
                 node = m.last_device_node
                 if m.host_hit_length:
                     _, node = cache.init_load_back(InitLoadBackParams(m.best_match_node, m.host_hit_length, req=r))
+                phases["load_back"] += time.perf_counter() - t1
                 prefix = cache.path_device_indices(node).to(torch.int64)
                 lock = cache.lock(node)
                 times[i] += time.perf_counter() - t
@@ -102,8 +107,11 @@ def engine_side(target: str, batch: int, prompts: int, length: int, page: int) -
                 r.kv.cache_protected_len, r.kv.kv_committed_len, r.last_node, r.lock, r.done = have, n, node, lock, True
                 t = time.perf_counter()
                 cache.checkpoint(r, up_to=n)
+                t1 = time.perf_counter()
+                phases["checkpoint"] += t1 - t
                 cache.unlock(r.lock)
                 cache.on_release(r, checkpointed=True)
+                phases["release"] += time.perf_counter() - t1
                 times[i] += time.perf_counter() - t
                 tail = r2t.req_to_token[r.kv.req_pool_idx, r.kv.cache_protected_len:n].to(torch.int64)
                 if tail.numel():
@@ -122,7 +130,7 @@ def engine_side(target: str, batch: int, prompts: int, length: int, page: int) -
         return dict(p50_us=s[len(s) // 2] * 1e6, p99_us=s[min(len(s) - 1, int(0.99 * len(s)))] * 1e6,
                     max_rpcs=max(x[0] for x in steps), mean_rpcs=float(np.mean([x[0] for x in steps])),
                     max_bg=max(x[1] + x[2] for x in steps), mean_bg=float(np.mean([x[1] + x[2] for x in steps])),
-                    loaded=loaded)
+                    loaded=loaded, phases_us={k: v / prompts * 1e6 for k, v in phases.items()})
 
     from sglang.srt.runtime_context import publish
     from sglang.srt.server_args import ServerArgs
@@ -171,6 +179,9 @@ def main() -> None:
             results[f"sched_p50_us_{mode}_{batch}"] = m["p50_us"]
             results[f"extra_p50_us_{mode}_{batch}"] = m["p50_us"] - base
             results[f"max_rpcs_per_step_{mode}_{batch}"] = m["max_rpcs"]
+            print(f"{'':11} per request, mean us: " + ", ".join(f"{k} {v:.0f}" for k, v in m["phases_us"].items())
+                  + "   (SGLang alone: " + ", ".join(f"{k} {v:.0f}" for k, v in res["plain"]["phases_us"].items()
+                                                  if v) + ")")
     print("RESULT " + " ".join(f"{k}={v:.3f}" for k, v in results.items()))
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any, Hashable, Optional
 
 import numpy as np
@@ -145,8 +146,8 @@ class Stores:
     order they were queued, batched per round: one CacheUnfinished for every publish (a request's second
     publish goes in the next call, as it needs the first's receipt), one Unlock, one Free, one Alloc refill."""
 
-    def __init__(self, client: CacheClient, page: int, stock_max: int):
-        self.client, self.page, self.stock_max = client, page, stock_max
+    def __init__(self, client: CacheClient, page: int, stock_max: int, linger: float = 0.002):
+        self.client, self.page, self.stock_max, self.linger = client, page, stock_max, linger
         self._cv = threading.Condition()
         self._ops: list[tuple] = []
         self._held: dict[Hashable, tuple[np.ndarray, int]] = {}  # rid -> (locked prefix slots, receipt)
@@ -188,12 +189,16 @@ class Stores:
         if len(slots):
             self._put("free", slots)
 
-    def take_pages(self, n: int) -> Optional[np.ndarray]:
-        """n stocked pages (rows of slots), or None when the stock is short; the stock is kept at twice the most
-        pages taken between two refills (at most `slot_stock_tokens`), refilled when it falls to half."""
+    def take_pages(self, n: int, wait: float = 0.0) -> Optional[np.ndarray]:
+        """n stocked pages (rows of slots), or None when the stock is short (after waiting up to `wait` for
+        refills); the stock is kept at twice the most pages asked for between two refills (at most
+        `slot_stock_tokens`, or n when n is larger), refilled when it falls to half."""
         with self._cv:
             self._taken += n
-            self._want = max(self._want, min(2 * self._taken, self.stock_max // self.page))
+            self._want = max(self._want, min(2 * self._taken, max(self.stock_max // self.page, n)))
+            if len(self._stock) < n and wait > 0:
+                self._cv.notify_all()
+                self._cv.wait_for(lambda: len(self._stock) >= n or self._stop, wait)
             got = None
             if len(self._stock) >= n:
                 got, self._stock = self._stock[:n], self._stock[n:]
@@ -211,6 +216,8 @@ class Stores:
                     self._cv.wait()
                 if self._stop and not self._ops:
                     return
+            if self.linger and not self._stop:  # let a step's worth of publishes gather into one call
+                time.sleep(self.linger)
             if self.first is not None:
                 self.first.wait_idle(0.05)
             with self._cv:
@@ -327,6 +334,7 @@ class Stores:
             return
         with self._cv:
             self._stock = np.concatenate([self._stock, got])
+            self._cv.notify_all()
 
     def idle(self) -> bool:
         with self._cv:

@@ -62,6 +62,12 @@ def _ids(tokens: Any) -> np.ndarray:
     return np.asarray(tokens, dtype=np.int32)
 
 
+def _agree(a: np.ndarray, b: np.ndarray) -> bool:
+    """Two token sequences equal as far as the shorter goes."""
+    n = min(len(a), len(b))
+    return bool(np.array_equal(a[:n], b[:n]))
+
+
 def attached(cache: RadixCache, node: Any) -> bool:
     """Whether a node is still in the tree (a match's node may be evicted before its load-back)."""
     while node is not cache.root_node:
@@ -101,6 +107,7 @@ class _Plan:
     tokens: np.ndarray
     ns: dict
     asked: float
+    found: Optional[tuple] = None  # (radixd's locked prefix, receipt, its tokens) once known
 
 
 @dataclass
@@ -109,6 +116,16 @@ class _Asked:
 
     tokens: np.ndarray
     at: float
+
+
+@dataclass
+class _Hold:
+    """What a request's lookup locked in radixd, kept until the request ends: its hit on every later match and
+    the prefix its finished pages attach to (no second lookup)."""
+
+    tokens: np.ndarray
+    prefix: np.ndarray
+    receipt: int
 
 
 class RadixdRadixCache(RadixCache):
@@ -155,6 +172,7 @@ class RadixdRadixCache(RadixCache):
         self.deadline = lookup_deadline_ms / 1000
         self.asynchronous = tp_size == 1  # with TP every rank must see the lead's decision at the same call
         self._asked: dict[Any, _Asked] = {}
+        self._holds: dict[Any, _Hold] = {}
         self._plans: list[_Plan] = []
         self._sid = 0
         if self.asynchronous:
@@ -230,7 +248,7 @@ class RadixdRadixCache(RadixCache):
             self._drain(wait=True)  # before SGLang's tree and slots go
             for h in list(self._markers):
                 self._drop_marker(h)
-            for h in list(self._asked):
+            for h in list(self._asked) + list(self._holds):
                 self._forget(h)
         super().reset()
 
@@ -250,7 +268,7 @@ class RadixdRadixCache(RadixCache):
         self._drain(wait=True)
         for h in list(self._markers):
             self._drop_marker(h)
-        for h in list(self._asked):
+        for h in list(self._asked) + list(self._holds):
             self._forget(h)
         if self.asynchronous:
             self.lookups.close()
@@ -278,9 +296,25 @@ class RadixdRadixCache(RadixCache):
         self.lookups.submit(handle, tokens, ns)
 
     def _forget(self, handle: Any) -> None:
-        """No longer interested in this request's lookup: its lock goes when it lands."""
+        """The request is done with radixd: its lookup's lock goes (when it lands, if it is still out)."""
         if self._asked.pop(handle, None) is not None:
             self.lookups.drop(handle)
+        hold = self._holds.pop(handle, None)
+        if hold is not None:
+            self._unlock(hold.receipt)
+
+    def _collect(self, handle: Any, wait: float = 0.0) -> Optional[_Hold]:
+        """The request's hold, taking its lookup's answer if it landed (within `wait`)."""
+        asked = self._asked.get(handle)
+        if asked is not None:
+            res = self.lookups.take(handle, wait)
+            if res is not None:
+                del self._asked[handle]
+                old = self._holds.pop(handle, None)
+                if old is not None:
+                    self._unlock(old.receipt)
+                self._holds[handle] = _Hold(asked.tokens, np.asarray(res[0], dtype=np.int64), res[1])
+        return self._holds.get(handle)
 
     # ----------------------------------------------------------------- match
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
@@ -294,7 +328,7 @@ class RadixdRadixCache(RadixCache):
         self._drop_marker(req.cache_request_handle)  # asked again: the newer answer wins
         if device_len >= len(key) or self.is_eagle:
             if self.asynchronous:
-                self._forget(req.cache_request_handle)
+                self._collect(req.cache_request_handle)  # kept for the finished pages, if it is there
             return base
         path, receipt = None, 0
         if self.asynchronous:
@@ -311,27 +345,26 @@ class RadixdRadixCache(RadixCache):
         return base._replace(last_host_node=node, best_match_node=node, host_hit_length=hit)
 
     def _lookup(self, handle: Any, key: RadixKey, device_len: int) -> tuple[Optional[np.ndarray], int]:
-        """radixd's locked path for the key when it holds more than SGLang's device prefix, from the lookup the
-        request started when it was queued (or one started now), waited for up to the deadline."""
+        """radixd's path for the key when it holds more than SGLang's device prefix: from the request's hold, or
+        the lookup it started when it was queued (or one started now), waited for up to the deadline. The lock
+        stays with the request's hold (the receipt returned is 0)."""
         tokens = _ids(key.raw_token_ids())
-        asked = self._asked.get(handle)
-        common = min(len(tokens), len(asked.tokens)) if asked is not None else 0
-        if asked is None or not np.array_equal(asked.tokens[:common], tokens[:common]):
-            self._ask(handle, tokens, self._ns(key))  # none yet, or for other tokens
-            asked = self._asked[handle]
-        res = self.lookups.take(handle, max(self.deadline - (time.monotonic() - asked.at), 0.0))
-        if res is None:
-            self._forget(handle)
-            log.info("radixd lookup took longer than %.0f ms: a miss", self.deadline * 1e3)
-            return None, 0
-        del self._asked[handle]
-        path, receipt = res
-        usable = min(len(path), len(tokens))  # the two keys agree that far
+        hold = self._holds.get(handle)
+        if hold is None or not _agree(hold.tokens, tokens):
+            asked = self._asked.get(handle)
+            if asked is None or not _agree(asked.tokens, tokens):
+                self._ask(handle, tokens, self._ns(key))  # none yet, or for other tokens
+                asked = self._asked[handle]
+            hold = self._collect(handle, max(self.deadline - (time.monotonic() - asked.at), 0.0))
+            if handle in self._asked:
+                self._forget(handle)
+                log.info("radixd lookup took longer than %.0f ms: a miss", self.deadline * 1e3)
+                return None, 0
+        usable = min(len(hold.prefix), len(tokens))  # the two keys agree that far
         usable -= usable % self.page_size
         if usable <= device_len:
-            self._unlock(receipt)
             return None, 0
-        return np.asarray(path[:usable], dtype=np.int64), receipt
+        return hold.prefix[:usable], 0
 
     def _radixd_match(self, key: RadixKey, device_len: int) -> tuple[Optional[np.ndarray], int]:
         """radixd's locked path for the key when it holds more than SGLang's device prefix (lead rank, TP)."""
@@ -378,9 +411,9 @@ class RadixdRadixCache(RadixCache):
             src = torch.from_numpy(marker.path[marker.device_len:marker.device_len + n].copy()).to(self.k[0].device)
             dst = slots.to(torch.int64)
             sh = self.shard
-            for i in range(len(self.k)):
-                self.k[i][dst] = self.rk[i][src][:, sh]
-                self.v[i][dst] = self.rv[i][src][:, sh]
+            for i in range(len(self.k)):  # index_select / index_copy_: several times faster than indexing
+                self.k[i].index_copy_(0, dst, self.rk[i].index_select(0, src)[:, sh])
+                self.v[i].index_copy_(0, dst, self.rv[i].index_select(0, src)[:, sh])
             if self.cuda:
                 torch.cuda.current_stream().synchronize()  # radixd may evict its pages once unlocked
             self._barrier()  # every rank has its heads before the lead releases radixd's lock
@@ -409,11 +442,19 @@ class RadixdRadixCache(RadixCache):
             return
         tokens = _ids(req.full_untruncated_fill_ids[:n])
         ns = dict(extra_key=req.extra_key or "", cache_salt=req.cache_salt or "")
-        if self.asynchronous:  # pinned until radixd's answer lands and the copy is done (`_copy_planned`)
-            self.inc_lock_ref(node)
+        if self.asynchronous:
+            self.inc_lock_ref(node)  # SGLang must not reuse the source slots before the copy is over
+            hold = self._collect(req.cache_request_handle)
             self._sid += 1
-            self._plans.append(_Plan(self._sid, node, indices[:n], tokens, ns, time.monotonic()))
-            self.lookups.submit(("store", self._sid), tokens, ns, load_back=False)
+            plan = _Plan(self._sid, node, indices[:n], tokens, ns, time.monotonic())
+            if hold is not None and _agree(hold.tokens, tokens):  # attach to what its lookup locked
+                del self._holds[req.cache_request_handle]
+                plan.found = (hold.prefix, hold.receipt, hold.tokens)
+            else:  # look radixd up first
+                self._forget(req.cache_request_handle)
+                self.lookups.submit(("store", self._sid), tokens, ns, load_back=False)
+            self._plans.append(plan)
+            self._drain()
             return
         plan, item = None, None
         if self.lead:
@@ -444,59 +485,68 @@ class RadixdRadixCache(RadixCache):
         """SGLang's KV at src into radixd's slots dst (GPU: on the side stream; its event is returned)."""
         if not self.cuda:
             for i in range(len(self.k)):
-                self.rk[i][dst] = self.k[i][src]
-                self.rv[i][dst] = self.v[i][src]
+                self.rk[i].index_copy_(0, dst, self.k[i].index_select(0, src))
+                self.rv[i].index_copy_(0, dst, self.v[i].index_select(0, src))
             return None
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
             for i in range(len(self.k)):
-                self.rk[i][dst] = self.k[i][src]
-                self.rv[i][dst] = self.v[i][src]
+                self.rk[i].index_copy_(0, dst, self.k[i].index_select(0, src))
+                self.rv[i].index_copy_(0, dst, self.v[i].index_select(0, src))
             event = torch.cuda.Event()
             event.record(self.stream)
         return event
 
     def _copy_planned(self, wait: bool) -> None:
-        """Planned stores whose radixd lookup landed: slots from the stock, the copy started, the publish queued
-        behind it; a lookup past the deadline drops its store."""
+        """Planned stores whose radixd prefix is known and for which the stock has slots: the copy started, the
+        publish queued behind it. With `wait`, waits for lookups and refills up to the deadline; a store past
+        the deadline is dropped."""
         keep = []
         for p in self._plans:
-            key = ("store", p.sid)
             left = self.deadline - (time.monotonic() - p.asked)
-            res = self.lookups.take(key, max(left, 0.0) if wait else 0.0)
-            if res is None and left > 0 and not wait:
-                keep.append(p)
-                continue
-            if res is None:
-                self.lookups.drop(key)
-                log.info("radixd store lookup took longer than %.0f ms: not stored", self.deadline * 1e3)
-                self.dec_lock_ref(p.node)
-                continue
-            prefix, receipt = res
-            have, n = len(prefix), len(p.src)
-            if have >= n:  # radixd has it all: finishing counts the hit as SGLang's insert would
+            if p.found is None:
                 key = ("store", p.sid)
-                self.stores.hold(key, prefix, receipt)
-                self.stores.release(key, p.tokens, p.ns)
-                self.dec_lock_ref(p.node)
-                continue
-            pages = self.stores.take_pages((n - have) // self.page_size)
-            if pages is None:
-                try:
-                    self.rpcs += 1
-                    pages = self.client.alloc(n - have).reshape(-1, self.page_size)
-                except RadixdError as e:
-                    log.warning("radixd store skipped: %s", e)
-                    self._unlock(receipt)
+                res = self.lookups.take(key, max(left, 0.0) if wait else 0.0)
+                if res is not None:
+                    p.found = (np.asarray(res[0], dtype=np.int64), res[1], p.tokens)
+                elif left > 0 and not wait:
+                    keep.append(p)
+                    continue
+                else:
+                    self.lookups.drop(key)
+                    log.info("radixd store lookup took longer than %.0f ms: not stored", self.deadline * 1e3)
                     self.dec_lock_ref(p.node)
                     continue
-            slots = np.array(pages.reshape(-1), dtype=np.int64)  # writable: torch takes it as is
-            event = self._copy_out(p.src[have:n], torch.from_numpy(slots).to(self.k[0].device))
-            self.stored_tokens += n - have
-            item = dict(sid=p.sid, prefix=prefix, receipt_id=receipt, tokens=p.tokens, prev_prefix_len=have,
-                        slots=slots, ns=p.ns)
-            self._stores.append(_Store(event, p.node, item))
+            if not self._store(p, wait_s=max(left, 0.0) if wait else 0.0):
+                if left > 0 and not wait:
+                    keep.append(p)
+                else:
+                    log.info("radixd had no slots for a store within %.0f ms: not stored", self.deadline * 1e3)
+                    self._unlock(p.found[1])
+                    self.dec_lock_ref(p.node)
         self._plans = keep
+
+    def _store(self, p: _Plan, wait_s: float = 0.0) -> bool:
+        """A finished request's pages beyond radixd's locked prefix into slots from the stock, the copy started
+        and the publish queued behind it (`_drain`); False while the stock is short (the store waits)."""
+        prefix, receipt, prefix_tokens = p.found
+        have, n = len(prefix), len(p.src)
+        key = ("store", p.sid)
+        if have >= n:  # radixd has it all: finishing counts the hit as SGLang's insert would
+            self.stores.hold(key, prefix, receipt)
+            self.stores.release(key, prefix_tokens, p.ns)
+            self.dec_lock_ref(p.node)
+            return True
+        pages = self.stores.take_pages((n - have) // self.page_size, wait_s)
+        if pages is None:
+            return False
+        slots = np.array(pages.reshape(-1), dtype=np.int64)  # writable: torch takes it as is
+        event = self._copy_out(p.src[have:n], torch.from_numpy(slots).to(self.k[0].device))
+        self.stored_tokens += n - have
+        item = dict(sid=p.sid, prefix=prefix, receipt_id=receipt, tokens=p.tokens[:n], prev_prefix_len=have,
+                    slots=slots, ns=p.ns)
+        self._stores.append(_Store(event, p.node, item))
+        return True
 
     def _plan_store(self, tokens: np.ndarray, n: int, ns: dict) -> tuple[Optional[tuple], Optional[dict]]:
         """Lead rank (TP): lock radixd's prefix and hold slots for the rest; ((have, slots), the publish item)."""
