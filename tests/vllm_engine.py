@@ -89,6 +89,7 @@ def main() -> None:
         from radixd.vllm.connector import scheduler_stats
         connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
         json.dump(scheduler_stats(connector), open(args.stats, "w"))
+    llm.llm_engine.engine_core.shutdown()  # the connector publishes what is still in flight before it goes
     json.dump(out, open(args.out, "w"))
     print("engine done", flush=True)
     sys.stdout.flush()
