@@ -71,7 +71,6 @@ class Lookups:
                 results, failed = self._lookup(batch)
             finally:
                 with self._cv:
-                    self._busy = False
                     late = []
                     for rid, res in results.items():
                         if rid in self._dropped:
@@ -79,9 +78,10 @@ class Lookups:
                             late.append(res[1])
                         else:
                             self._done[rid] = res
+                    for r in late + failed:  # queued before this thread reads idle, so a settle sees them
+                        self.stores.unlock(r)
+                    self._busy = False
                     self._cv.notify_all()
-                for r in late + failed:
-                    self.stores.unlock(r)
 
     def _lookup(self, batch: list) -> tuple[dict[Hashable, tuple[np.ndarray, int]], list[int]]:
         """Each request's locked prefix (empty on a miss or an error), and receipts of loads that failed."""

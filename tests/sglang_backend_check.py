@@ -212,6 +212,40 @@ def scenario_abort_and_unused_markers_release_radixd_locks(c: CacheClient) -> No
     b.cache.shutdown()
 
 
+def scenario_a_stopped_radixd_costs_a_miss_at_the_deadline(c: CacheClient) -> None:
+    """radixd stopped (SIGSTOP) while a request is queued: its match waits no longer than the deadline, reports
+    no radixd hit, and the lookup's lock is released once radixd answers again."""
+    import signal
+    a, b = Engine(), Engine()
+    prompt = [random.randrange(3000, 4000) for _ in range(24)]
+    r = a.request("s1", prompt)
+    a.prefill(r, 24, finish=True)
+    a.release(r)
+    quiet(c, a)
+    pid = int(os.environ["RADIXD_SERVER_PID"])
+    b.cache.deadline = 0.3
+    rb = b.request("s2", prompt + [5])
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        b.cache.queued(rb)
+        t0 = time.monotonic()
+        m = b.cache.match_prefix(MatchPrefixParams(key=_key(rb), req=rb))
+        took = time.monotonic() - t0
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert m.host_hit_length == 0 and m.device_prefix_len == 0, m
+    assert 0.25 <= took < 1.0, f"the match waited {took:.3f} s for a 0.3 s deadline"
+    b.cache.release_aborted_request(rb.cache_request_handle)
+    settled(c, a, b)  # the late lookup's lock went when it landed
+    rc = b.request("s3", prompt + [6])  # radixd back: the next request finds the pages
+    hit, loaded = b.prefill(rc, 25, finish=True)
+    assert (hit, loaded) == (0, 24), (hit, loaded)
+    b.release(rc)
+    settled(c, a, b)
+    a.cache.shutdown()
+    b.cache.shutdown()
+
+
 def scenario_same_matches_as_sglang_alone(c: CacheClient) -> None:
     """Random insert / match / evict through the backend and through SGLang's own RadixCache."""
     mine, plain = Engine(), Engine(backend=False)

@@ -22,6 +22,7 @@ pytestmark = pytest.mark.skipif(SGL_PY is None, reason="no SGLang venv (.ci/run 
 SCENARIOS = ["two_engines_share_pages_byte_for_byte", "pages_on_radixd_host_tier_are_loaded_back",
              "partial_hit_and_namespaces", "abort_and_unused_markers_release_radixd_locks",
              "same_matches_as_sglang_alone", "overridden_signatures_match_sglang",
+             "a_stopped_radixd_costs_a_miss_at_the_deadline",
              "tensor_parallel_ranks_share_their_heads"]
 
 
@@ -36,7 +37,7 @@ def server():
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_backend_scenario(server, scenario):
     r = subprocess.run([SGL_PY, str(CHECK), server.target, scenario], capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "PYTHONPATH": ""})
+                       env={**os.environ, "PYTHONPATH": "", "RADIXD_SERVER_PID": str(server.proc.pid)})
     assert r.returncode == 0 and f"ok {scenario}" in r.stdout, (r.stdout[-3000:] + r.stderr[-5000:])
     with CacheClient(server.target, name="after") as c:  # the scenario's sessions are gone: nothing leaks
         s = c.stats()
