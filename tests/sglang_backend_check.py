@@ -118,6 +118,14 @@ def quiet(c: CacheClient, *engines: Engine) -> dict:
     return c.stats()
 
 
+def publish(c: CacheClient, e: Engine, rid: str, prompt: list[int], **kw) -> None:
+    """Engine e prefills the whole prompt, finishes and releases it; its pages are in radixd on return."""
+    r = e.request(rid, prompt, **kw)
+    e.prefill(r, len(prompt), finish=True)
+    e.release(r)
+    quiet(c, e)
+
+
 def settled(c: CacheClient, *engines: Engine) -> dict:
     """Nothing locked in radixd, nothing held but the engines' slot stocks, the checker clean."""
     s = quiet(c, *engines)
@@ -152,10 +160,7 @@ def scenario_two_engines_share_pages_byte_for_byte(c: CacheClient) -> None:
 def scenario_pages_on_radixd_host_tier_are_loaded_back(c: CacheClient) -> None:
     a, b = Engine(), Engine()
     prompt = [random.randrange(1000, 2000) for _ in range(36)]
-    r = a.request("h1", prompt)
-    a.prefill(r, 36, finish=True)
-    a.release(r)
-    quiet(c, a)
+    publish(c, a, "h1", prompt)
     deadline = time.monotonic() + 10
     while c.stats()["cached_tokens"]:  # radixd demotes what its (asynchronous) backups put on host
         assert time.monotonic() < deadline, "radixd's backups never landed"
@@ -173,10 +178,7 @@ def scenario_pages_on_radixd_host_tier_are_loaded_back(c: CacheClient) -> None:
 def scenario_partial_hit_and_namespaces(c: CacheClient) -> None:
     a, b = Engine(), Engine()
     prompt = [random.randrange(1, 999) for _ in range(32)]
-    r = a.request("p1", prompt, extra_key="lora-x")
-    a.prefill(r, 32, finish=True)
-    a.release(r)
-    quiet(c, a)
+    publish(c, a, "p1", prompt, extra_key="lora-x")
     other = prompt[:16] + [1] * 16
     hit, loaded = b.prefill(b.request("p2", other, extra_key="lora-x"), 32, finish=True)
     assert (hit, loaded) == (0, 16)  # four shared pages
@@ -190,10 +192,7 @@ def scenario_partial_hit_and_namespaces(c: CacheClient) -> None:
 def scenario_abort_and_unused_markers_release_radixd_locks(c: CacheClient) -> None:
     a, b = Engine(), Engine()
     prompt = [random.randrange(1, 999) for _ in range(24)]
-    r = a.request("x1", prompt)
-    a.prefill(r, 24, finish=True)
-    a.release(r)
-    quiet(c, a)
+    publish(c, a, "x1", prompt)
     rb = b.request("x2", prompt + [3])
     m = b.cache.match_prefix(MatchPrefixParams(key=_key(rb), req=rb))
     assert m.host_hit_length == 24 and quiet(c, b)["receipts"] == 1  # locked in radixd while queued
@@ -218,10 +217,7 @@ def scenario_a_stopped_radixd_costs_a_miss_at_the_deadline(c: CacheClient) -> No
     import signal
     a, b = Engine(), Engine()
     prompt = [random.randrange(3000, 4000) for _ in range(24)]
-    r = a.request("s1", prompt)
-    a.prefill(r, 24, finish=True)
-    a.release(r)
-    quiet(c, a)
+    publish(c, a, "s1", prompt)
     pid = int(os.environ["RADIXD_SERVER_PID"])
     b.cache.deadline = 0.3
     rb = b.request("s2", prompt + [5])
