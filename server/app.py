@@ -329,7 +329,10 @@ async def _run(cfg: Config, core: CacheCore, instance_id: str, sockets: list[str
                ("grpc.http2.max_pings_without_data", 0), ("grpc.keepalive_permit_without_calls", 1),
                # clients ping every 10 s to detect a dead server; accept that (the default floor is 5 min,
                # and a client pinging faster is sent GOAWAY too_many_pings, ending its session)
-               ("grpc.http2.min_recv_ping_interval_without_data_ms", 5000)]
+               ("grpc.http2.min_recv_ping_interval_without_data_ms", 5000),
+               # a client's flow-control (BDP) pings come on top of its keepalives and count as strikes; with
+               # the default limit (2) an idle client was sent GOAWAY and lost its session, locks and slots
+               ("grpc.http2.max_ping_strikes", 0)]
     interceptors = [TokenAuth(cfg.token)] if cfg.token else []
     server = grpc.aio.server(options=options, interceptors=interceptors)
     cache_pb2_grpc.add_RadixCacheServicer_to_server(
