@@ -1,0 +1,89 @@
+"""MAMBA (state-space / linear-attention state): one state slot per node, meaningful only at a match end.
+
+Semantics follow SGLang 0.5.23's unified cache (SPEC-tiers R5.11-R5.15): a match ends at the deepest node with
+a state; the state stays on the suffix of a split; an insert adopts the donated slot where the end node has no
+state and reports `mamba_exist` otherwise (the caller frees the donated slot); a lock pins that node's state
+only; eviction tombstones an inner node's state (no cascade) or deletes a whole D-leaf.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+from .base import MAMBA, Component
+
+if TYPE_CHECKING:
+    from ..hybrid import HNode, HybridFrees
+
+
+class MambaComponent(Component):
+    name = MAMBA
+    lock_attr = "mlock"
+    internal_priority = 0
+
+    def __init__(self, tree, chunk: int):
+        super().__init__(tree)
+        if chunk < 1:
+            raise ValueError("the mamba chunk size must be >= 1")
+        ps = tree.page_size
+        a, b = chunk, ps
+        while b:
+            a, b = b, a % b
+        self.grid = chunk * ps // a  # branching positions sit on both the chunk and the page grid
+
+    def has(self, node: "HNode") -> bool:
+        return node.mamba >= 0
+
+    def size(self, node: "HNode") -> int:
+        return 1
+
+    def validator(self) -> Callable[["HNode"], bool]:
+        return lambda node: node.mamba >= 0
+
+    def on_split(self, upper: "HNode", child: "HNode") -> None:
+        upper.mamba, upper.mlock = -1, 0
+
+    def refresh_match(self, node: "HNode") -> None:
+        if node.mamba >= 0:
+            self.lru.reset_mru(node)
+
+    def commit(self, node: "HNode", new_leaf: bool, params, result) -> None:
+        tree = self.tree
+        if params.mamba_value is None or params.mamba_value < 0:
+            raise ValueError("a tree with a MAMBA component needs mamba_value on every insert")
+        if node.mamba < 0:
+            node.mamba = int(params.mamba_value)
+            self._credit(node, node.mlock > 0)
+            if not new_leaf:
+                node.atime = tree._clock_tick()
+            return
+        self.lru.reset_mru(node)
+        node.atime = tree._clock_tick()
+        result.mamba_exist = True
+
+    def acquire(self, node: "HNode", receipt) -> None:
+        if node is self.tree.root:
+            return
+        if node.mlock == 0 and node.mamba >= 0:
+            self.tree.evictable[MAMBA] -= 1
+            self.tree.protected[MAMBA] += 1
+        node.mlock += 1
+
+    def release(self, node: "HNode", receipt) -> None:
+        if node is self.tree.root:
+            return
+        if node.mlock <= 0:
+            raise AssertionError(f"MAMBA release below zero on node {node.id}")
+        node.mlock -= 1
+        if node.mlock == 0:
+            if node.mamba >= 0:
+                self.tree.evictable[MAMBA] += 1
+                self.tree.protected[MAMBA] -= 1
+            self.tree._update_leaf(node)
+
+    def drop(self, node: "HNode", frees: "HybridFrees", tracker) -> None:
+        frees.mamba.append(node.mamba)
+        self.tree.evictable[MAMBA] -= 1
+        node.mamba = -1
+        self.lru.remove(node)
+        if tracker is not None:
+            tracker[MAMBA] += 1

@@ -1,0 +1,462 @@
+"""A pure hybrid radix tree: FULL attention is the backbone, SWA and MAMBA plug in as components.
+
+The FULL-only `RadixTree` stays as it is (no component costs it anything); a model with sliding-window or
+state-space layers gets this tree, which mirrors SGLang 0.5.23's `UnifiedRadixCache` operation for operation
+(SPEC-tiers section 5), checked side by side with SGLang's own cache (Python and Rust tree cores) in
+`tests/hybrid_differential.py`. Like `RadixTree` it frees nothing: every operation returns, per component,
+the slots the caller must free.
+
+The backbone decides existence and leaf status (a D-leaf: no child, no lock of any component); each
+component (`components/`) adds its match validator, split rule, insert rules, lock walk, LRU and eviction walk.
+
+Where radixd differs from SGLang 0.5.23, on purpose:
+  * the tree keeps whether a node's SWA half exists, not SWA slot numbers: the SWA slots are the FULL slots'
+    window twins, a translation the pool layer owns (`swa` frees name FULL slots whose twins go, as SGLang's
+    own tree-side frees do); recovering a tombstone under a locked FULL returns a `swa_moves` pair instead of
+    rewriting the allocator's mapping;
+  * device tier only: SGLang's hybrid HiCache cannot run on CPU (its copies need CUDA kernels), so there is
+    nothing to prove a host tier against here; FULL-only models keep radixd's host and L3 tiers;
+  * one namespace, no EAGLE bigram keys, no per-path MAMBA state cap (SGLang's default leaves it off).
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from .components import FULL, MAMBA, SWA, MambaComponent, SwaComponent
+from .errors import InvalidInput, StaleHandle, UnknownReceipt
+from .tree import TokenInput, as_int32
+
+_EMPTY64 = np.zeros(0, dtype=np.int64)
+
+
+class HNode:
+    """One edge of the hybrid tree: packed int32 key, FULL slots, SWA presence, MAMBA state slot, locks."""
+
+    __slots__ = ("id", "parent", "children", "key", "full", "swa", "mamba", "lock", "slock", "mlock", "suuid",
+                 "atime", "created")
+
+    def __init__(self, node_id: int, parent: Optional["HNode"], key: bytes, full: np.ndarray, tick: float):
+        self.id = node_id
+        self.parent = parent
+        self.children: dict[bytes, HNode] = {}
+        self.key = key
+        self.full = full
+        self.swa = False
+        self.mamba = -1  # MAMBA state slot (-1: none)
+        self.lock = self.slock = self.mlock = 0  # FULL, SWA and MAMBA lock references
+        self.suuid = 0  # SWA window boundary mark (0: none)
+        self.atime = tick
+        self.created = tick + 1
+
+    def __repr__(self) -> str:
+        return (f"HNode(id={self.id}, tokens={len(self.key) >> 2}, swa={self.swa}, mamba={self.mamba}, "
+                f"locks={self.lock}/{self.slock}/{self.mlock})")
+
+
+@dataclass(slots=True)
+class HybridFrees:
+    """Slots the caller must free, per component. `full`: FULL only; `both`: FULL and its SWA twins;
+    `swa`: the SWA twins of these FULL slots only; `mamba`: state slots; `swa_moves`: (kept FULL, incoming FULL)
+    pairs whose window twins move from incoming to kept (the incoming FULL is in `full`)."""
+
+    full: list = field(default_factory=list)
+    both: list = field(default_factory=list)
+    swa: list = field(default_factory=list)
+    mamba: list = field(default_factory=list)
+    swa_moves: list = field(default_factory=list)
+
+    @staticmethod
+    def _cat(parts: list) -> np.ndarray:
+        return np.concatenate(parts).astype(np.int64, copy=False) if parts else _EMPTY64
+
+    def full_slots(self) -> np.ndarray:
+        """Every FULL slot to free."""
+        return self._cat(self.full + self.both)
+
+    def swa_slots(self) -> np.ndarray:
+        """FULL slots whose SWA twins are to be freed."""
+        return self._cat(self.swa + self.both)
+
+
+@dataclass(slots=True)
+class HybridMatch:
+    """A match: FULL slots of the usable prefix and where each component says the next checkpoint goes."""
+
+    indices: np.ndarray
+    matched_len: int
+    node_id: int
+    full_hit_len: int  # every matched token, whatever the components accept
+    swa_branching_seqlen: Optional[int] = None
+    mamba_branching_seqlen: Optional[int] = None
+    mamba_src: int = -1  # the matched node's state: copy it into the request's own slot (never write it)
+
+
+@dataclass(slots=True)
+class HybridInsert:
+    prefix_len: int
+    node_id: int
+    frees: HybridFrees
+    mamba_exist: bool = False  # the end node kept its own state: free the donated one
+    swa_branch_inserted: bool = False
+
+
+@dataclass(slots=True)
+class HybridEvicted:
+    full: int
+    swa: int
+    mamba: int
+    frees: HybridFrees
+
+
+@dataclass(slots=True)
+class _Params:
+    key_len: int
+    prev_prefix_len: int
+    swa_evicted_seqlen: int
+    mamba_value: int
+    swa_branching_seqlen: Optional[int]
+
+
+@dataclass(slots=True)
+class _Receipt:
+    node: HNode
+    swa_uuid: int = 0
+    swa_released: bool = False
+
+
+class HybridTree:
+    """FULL + optional SWA (`window`) + optional MAMBA (`mamba_chunk`) radix tree; pure, device tier."""
+
+    FULL = FULL
+
+    def __init__(self, page_size: int = 1, window: Optional[int] = None, mamba_chunk: Optional[int] = None):
+        if page_size < 1:
+            raise ValueError("page_size must be >= 1")
+        self.page_size = page_size
+        self._pb = page_size * 4
+        self._clock = 0.0
+        self._ids = itertools.count(1)
+        self._rids = itertools.count(1)
+        self.root = HNode(0, None, b"", _EMPTY64, self._tick2())
+        self.root.lock = 1  # the root is never evicted
+        self._nodes: dict[int, HNode] = {0: self.root}
+        self._leaves: set[HNode] = set()
+        self._receipts: dict[int, _Receipt] = {}
+        self.swa = SwaComponent(self, window) if window else None
+        self.mamba = MambaComponent(self, mamba_chunk) if mamba_chunk else None
+        self.aux = tuple(c for c in (self.swa, self.mamba) if c is not None)  # registration order
+        self.components = (FULL,) + tuple(c.name for c in self.aux)
+        self.evictable = {c: 0 for c in (FULL, SWA, MAMBA)}
+        self.protected = {c: 0 for c in (FULL, SWA, MAMBA)}
+
+    # ------------------------------------------------------------- helpers
+    def _clock_tick(self) -> float:
+        t = self._clock
+        self._clock += 1.0
+        return t
+
+    def _tick2(self) -> float:
+        t = self._clock
+        self._clock += 2.0  # a new node takes an access and a creation time
+        return t
+
+    def _new_node(self, parent: HNode, key: bytes, full: np.ndarray) -> HNode:
+        node = HNode(next(self._ids), parent, key, full, self._tick2())
+        self._nodes[node.id] = node
+        return node
+
+    def _is_leaf(self, node: HNode) -> bool:
+        return (node.parent is not None and node.full is not None and not node.children
+                and not (node.lock or node.slock or node.mlock))
+
+    def _update_leaf(self, node: HNode) -> None:
+        if self._is_leaf(node):
+            self._leaves.add(node)
+        else:
+            self._leaves.discard(node)
+
+    def _node(self, node_id: int) -> HNode:
+        node = self._nodes.get(node_id)
+        if node is None:
+            raise StaleHandle(f"node handle {node_id} is stale: the node was evicted or never existed")
+        return node
+
+    def _key(self, tokens: TokenInput) -> bytes:
+        kb = as_int32(tokens).tobytes()
+        return kb[:len(kb) - len(kb) % self._pb]
+
+    def _common(self, a: bytes, b: bytes, off: int) -> int:
+        """Page-aligned common prefix, in tokens, of a and b[off:]."""
+        n = min(len(a), len(b) - off) >> 2
+        x = np.frombuffer(a, "<i4", n)
+        y = np.frombuffer(b, "<i4", n, off)
+        ne = np.flatnonzero(x != y)
+        i = int(ne[0]) if ne.size else n
+        return i - i % self.page_size
+
+    def _split(self, child: HNode, k: int) -> HNode:
+        """Cut child after k tokens; child keeps its id and becomes the suffix."""
+        parent = child.parent
+        upper = self._new_node(parent, child.key[:k * 4], child.full[:k])
+        upper.lock = child.lock
+        child.full = child.full[k:]
+        child.key = child.key[k * 4:]
+        child.parent = upper
+        upper.children[child.key[:self._pb]] = child
+        parent.children[upper.key[:self._pb]] = upper
+        for comp in self.aux:
+            comp.on_split(upper, child)
+        for comp in self.aux:  # the prefix keeps the suffix's recency, just behind it
+            if comp.has(upper) and upper not in comp.lru:
+                comp.lru.insert_after(child, upper)
+        child.atime = self._clock_tick()
+        self._update_leaf(upper)
+        self._update_leaf(child)
+        return upper
+
+    # ------------------------------------------------------------- match
+    def match_prefix(self, tokens: TokenInput) -> HybridMatch:
+        """Longest prefix every component can serve; splits the edge it ends inside (as SGLang does)."""
+        kb = self._key(tokens)
+        root = self.root
+        if not kb:
+            return HybridMatch(_EMPTY64, 0, root.id, 0)
+        validators = [c.validator() for c in self.aux]
+        node, off, full_hit = root, 0, 0
+        values: list[np.ndarray] = []
+        best, best_n = root, 0
+        pb = self._pb
+        while off < len(kb):
+            child = node.children.get(kb[off:off + pb])
+            if child is None:
+                break
+            plen = self._common(child.key, kb, off)
+            full_hit += plen
+            whole = plen * 4 == len(child.key)
+            if not whole:
+                child = self._split(child, plen)
+            values.append(child.full)
+            node = child
+            if all([v(child) for v in validators]):  # every validator sees every node: SWA counts coverage
+                best, best_n = child, len(values)
+            if not whole:
+                break
+            off += plen * 4
+        for comp in self.aux:
+            comp.refresh_match(best)
+        t = self._clock_tick()
+        walker = best
+        while walker is not None:  # the path gets one time, a parent just older than its child
+            walker.atime = t
+            t -= 1e-5
+            walker = walker.parent
+        used = values[:best_n]
+        matched = sum(len(v) for v in used)
+        out = HybridMatch(np.concatenate(used) if used else _EMPTY64, matched, best.id, full_hit)
+        if self.swa is not None:
+            aligned = full_hit - full_hit % self.page_size
+            out.swa_branching_seqlen = aligned if aligned > matched else None
+        if self.mamba is not None:
+            aligned = full_hit - full_hit % self.mamba.grid
+            out.mamba_branching_seqlen = aligned if aligned > matched else None
+            out.mamba_src = best.mamba
+        return out
+
+    # ------------------------------------------------------------- insert
+    def insert(self, tokens: TokenInput, slots, *, prev_prefix_len: int = 0, swa_evicted_seqlen: int = 0,
+               mamba_value: int = -1, swa_branching_seqlen: Optional[int] = None) -> HybridInsert:
+        """Cache a request's prefix. Positions below prev_prefix_len are the tree's already; below
+        swa_evicted_seqlen the request freed its SWA twins itself; mamba_value is the state it donates."""
+        kb = self._key(tokens)
+        n = len(kb) >> 2
+        values = np.asarray(slots, dtype=np.int64)
+        if len(values) < n:
+            raise InvalidInput(f"{len(values)} slots for {n} page-aligned tokens")
+        values = values[:n]
+        if swa_evicted_seqlen % self.page_size:
+            raise InvalidInput(f"swa_evicted_seqlen {swa_evicted_seqlen} is not a multiple of the page size "
+                               f"{self.page_size}")
+        if self.mamba is not None and mamba_value < 0:
+            raise InvalidInput("this tree has a MAMBA component: every insert donates a state (mamba_value)")
+        frees = HybridFrees()
+        root = self.root
+        root.atime = self._clock_tick()
+        if n == 0:
+            return HybridInsert(0, root.id, frees, mamba_exist=True)
+        params = _Params(n, prev_prefix_len, swa_evicted_seqlen if self.swa else 0, mamba_value,
+                         swa_branching_seqlen)
+        both = frees.both if self.swa is not None else frees.full
+        node, off, total, pb = root, 0, 0, self._pb
+        while off < len(kb):
+            child = node.children.get(kb[off:off + pb])
+            if child is None:
+                break
+            child.atime = self._clock_tick()
+            plen = self._common(child.key, kb, off)
+            if plen * 4 < len(child.key):
+                self._split(child, plen)
+            vslice = values[total:total + plen]
+            consumed = plen
+            for comp in self.aux:
+                consumed = min(consumed, comp.overlap(child, plen, total, vslice, params, frees))
+            dup_start = max(0, prev_prefix_len - total)
+            if dup_start < consumed:
+                dup = vslice[dup_start:consumed]
+                gone = min(max(params.swa_evicted_seqlen - total - dup_start, 0), len(dup))
+                if gone:
+                    frees.full.append(dup[:gone])  # their SWA twins are already free
+                if gone < len(dup):
+                    both.append(dup[gone:])
+            node = child
+            total += plen
+            off += plen * 4
+        new_leaf = off < len(kb)
+        if new_leaf:
+            target = self._new_node(node, kb[off:], values[total:].copy())
+            node.children[kb[off:off + pb]] = target
+            self.evictable[FULL] += n - total
+            self._update_leaf(target)
+            self._update_leaf(node)
+        else:
+            target = node
+        result = HybridInsert(total, target.id, frees)
+        for comp in self.aux:
+            comp.commit(target, new_leaf, params, result)
+        if target is not root:
+            for comp in self.aux:
+                comp.refresh_insert(target)
+        return result
+
+    # ------------------------------------------------------------- locks
+    def lock(self, node_id: int) -> int:
+        """Protect node's path (FULL), its window (SWA) and its state (MAMBA); returns a receipt."""
+        node = self._node(node_id)
+        r = _Receipt(node)
+        cur = node
+        while cur.parent is not None:
+            if cur.lock == 0:
+                n = len(cur.full)
+                self.evictable[FULL] -= n
+                self.protected[FULL] += n
+            cur.lock += 1
+            self._leaves.discard(cur)
+            cur = cur.parent
+        for comp in self.aux:
+            comp.acquire(node, r)
+        self._update_leaf(node)
+        rid = next(self._rids)
+        self._receipts[rid] = r
+        return rid
+
+    def _receipt(self, rid: int) -> _Receipt:
+        r = self._receipts.get(rid)
+        if r is None:
+            raise UnknownReceipt(f"unknown or already released receipt {rid}")
+        return r
+
+    def release_swa(self, rid: int) -> HybridFrees:
+        """Decode has passed the window: release the window lock and the MAMBA lock now, keep FULL's."""
+        r = self._receipt(rid)
+        frees = HybridFrees()
+        if self.swa is None or r.swa_released:
+            raise InvalidInput(f"receipt {rid} holds no SWA window lock" if self.swa is None
+                               else f"receipt {rid} already released its SWA window")
+        r.swa_released = True
+        if r.node is self.root:
+            return frees
+        self.swa.release_window(r.node, r, frees)
+        for comp in reversed(self.aux):
+            if comp.internal_priority < self.swa.internal_priority:
+                comp.release(r.node, r)
+        return frees
+
+    def unlock(self, rid: int) -> None:
+        """Release what the receipt still holds: components first, FULL last."""
+        r = self._receipts.pop(rid, None)
+        if r is None:
+            raise UnknownReceipt(f"unknown or already released receipt {rid}")
+        node = r.node
+        for comp in reversed(self.aux):
+            if r.swa_released and comp.internal_priority <= self.swa.internal_priority:
+                continue
+            comp.release(node, r)
+        cur = node
+        while cur.parent is not None:
+            if cur.lock == 1:
+                n = len(cur.full)
+                self.evictable[FULL] += n
+                self.protected[FULL] -= n
+            cur.lock -= 1
+            if cur.lock == 0:
+                self._update_leaf(cur)
+            cur = cur.parent
+        self._update_leaf(node)
+
+    # ------------------------------------------------------------- eviction
+    def _delete_leaf(self, node: HNode, frees: HybridFrees, tracker: dict) -> None:
+        n = len(node.full)
+        frees.full.append(node.full)
+        self.evictable[FULL] -= n
+        tracker[FULL] += n
+        for comp in self.aux:
+            if comp.has(node):
+                comp.drop(node, frees, tracker)
+        self._leaves.discard(node)
+        parent = node.parent
+        del parent.children[node.key[:self._pb]]
+        del self._nodes[node.id]
+        self._update_leaf(parent)
+
+    def evict(self, full: int = 0, swa: int = 0, mamba: int = 0) -> HybridEvicted:
+        """Free at least this much of each component (whole nodes, so it may overshoot); FULL goes leaf by
+        leaf, oldest first, each with all its components; then SWA, then MAMBA, on their own LRUs."""
+        frees = HybridFrees()
+        tracker = {FULL: 0, SWA: 0, MAMBA: 0}
+        if full > 0:
+            heap = [(n.atime, n.id, n) for n in self._leaves]
+            heapq.heapify(heap)
+            last = None
+            while True:
+                if last is not None and last.parent in self._leaves:
+                    p = last.parent
+                    heapq.heappush(heap, (p.atime, p.id, p))
+                last = None
+                while tracker[FULL] < full and heap:
+                    x = heapq.heappop(heap)[2]
+                    if x in self._leaves:
+                        last = x
+                        break
+                if last is None:
+                    break
+                self._delete_leaf(last, frees, tracker)
+        for comp, want in ((self.swa, swa), (self.mamba, mamba)):
+            if comp is not None and want > tracker[comp.name]:
+                comp.evict_walk(want, tracker, frees)
+        return HybridEvicted(tracker[FULL], tracker[SWA], tracker[MAMBA], frees)
+
+    # ------------------------------------------------------------- views
+    def sizes(self) -> dict[str, tuple[int, int]]:
+        """(evictable, protected) per component of this tree."""
+        return {c: (self.evictable[c], self.protected[c]) for c in self.components}
+
+    def node_count(self) -> int:
+        return len(self._nodes) - 1
+
+    def held(self) -> dict[str, np.ndarray]:
+        """Every slot the tree holds, per component (SWA by FULL slot): for conservation checks."""
+        full, swa, mamba = [], [], []
+        for node in self._nodes.values():
+            if node.parent is None:
+                continue
+            full.append(node.full)
+            if node.swa:
+                swa.append(node.full)
+            if node.mamba >= 0:
+                mamba.append(node.mamba)
+        cat = HybridFrees._cat
+        return {FULL: cat(full), SWA: cat(swa), MAMBA: np.array(mamba, dtype=np.int64)}
