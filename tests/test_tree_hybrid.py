@@ -1,0 +1,157 @@
+"""The hybrid tree (FULL + SWA + MAMBA): op-for-op against SGLang's own UnifiedRadixCache, property tests
+against a slot-level reference with the checker after every step, and bad input."""
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from radixd.server.tree import InvalidInput, UnknownReceipt
+from radixd.server.tree.hybrid import HybridTree
+from radixd.server.tree.hybrid_check import check_hybrid
+
+from .conftest import venv_python
+
+SGL_PY = venv_python("RADIXD_SGLANG_PYTHON", ".venv-sglang")
+DIFF = Path(__file__).resolve().parent / "hybrid_differential.py"
+
+
+@pytest.mark.skipif(SGL_PY is None, reason="no SGLang venv (.ci/run builds .venv-sglang with sglang 0.5.23)")
+@pytest.mark.parametrize("core", ["python", "rust"])
+@pytest.mark.parametrize("page", [1, 16])
+@pytest.mark.parametrize("config", ["swa", "mamba", "tri"])
+def test_hybrid_tree_agrees_with_sglangs_unified_cache_op_by_op(config, page, core):
+    """tests/hybrid_differential.py: 10,000 seeded scheduler operations on SGLang 0.5.23's UnifiedRadixCache
+    (its own tree core) and on radixd's hybrid tree; any difference in matches, frees per component, evict
+    counts or sizes fails with the step that diverged."""
+    seed = {"swa": 101, "mamba": 202, "tri": 303}[config] + page + (7 if core == "rust" else 0)
+    r = subprocess.run([SGL_PY, "-W", "ignore", str(DIFF), config, str(page), core, str(seed), "10000"],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    line = r.stdout.strip().splitlines()[-1]
+    assert line.startswith(f"ok {config} page={page} core={core}"), line
+    counts = eval(line.split("steps=10000 ")[1].split("}")[0] + "}")  # noqa: S307 (our own printed dict)
+    assert counts["insert"] > 5000 and counts["evict"] > 1000, counts
+    if config != "swa":
+        assert counts["exist"] > 5, counts  # donated states refused because the end node had one
+    if config != "mamba":
+        assert counts["release_swa"] > 1000, counts
+
+
+class HybridMachine(RuleBasedStateMachine):
+    """Random requests, unlocks and evictions; a reference of which FULL slot holds each cached position."""
+
+    PAGE, WINDOW, CHUNK = 2, 6, 4
+
+    def __init__(self):
+        super().__init__()
+        self.tree = HybridTree(self.PAGE, window=self.WINDOW, mamba_chunk=self.CHUNK)
+        self.cap = 200
+        self.free = list(range(self.cap))
+        self.mfree = list(range(1000, 1020))
+        self.at: dict[int, tuple] = {}  # FULL slot -> the token prefix (through its position) it caches
+        self.held: list[tuple[int, bool]] = []
+
+    def _freed(self, frees) -> None:
+        full = frees.full_slots().tolist()
+        assert len(set(full)) == len(full), "a slot freed twice in one operation"
+        for s in full:
+            assert s not in self.free, f"slot {s} freed but already free"
+            self.at.pop(s, None)
+            self.free.append(s)
+        for s in frees.mamba:
+            assert s not in self.mfree
+            self.mfree.append(s)
+
+    @rule(tokens=st.lists(st.integers(1, 3), min_size=0, max_size=24), floor_pages=st.integers(0, 12),
+          early=st.booleans(), keep=st.booleans())
+    def request(self, tokens, floor_pages, early, keep):
+        t = self.tree
+        m = t.match_prefix(tokens)
+        for i, s in enumerate(m.indices.tolist()):  # every matched slot caches exactly this position
+            assert self.at.get(s) == tuple(tokens[:i + 1]), (s, self.at.get(s), tokens[:i + 1])
+        held = t.held()
+        if m.matched_len:
+            assert m.mamba_src in held["mamba"].tolist()  # a hit ends where a state is
+            tail = m.indices[-min(self.WINDOW, m.matched_len):]
+            assert set(tail.tolist()) <= set(held["swa"].tolist())  # ...and the window before it has SWA KV
+        rid = t.lock(m.node_id)
+        total = len(tokens) - len(tokens) % self.PAGE
+        need = total - m.matched_len
+        if need > len(self.free):
+            self._freed(t.evict(full=need - len(self.free)).frees)
+        if need > len(self.free) or not self.mfree:
+            t.unlock(rid)
+            return
+        new = [self.free.pop() for _ in range(need)]
+        mv = self.mfree.pop()
+        floor = min(floor_pages * self.PAGE, total)  # the request freed its SWA KV below this
+        slots = np.array(m.indices.tolist() + new, dtype=np.int64)
+        r = t.insert(tokens[:total], slots, prev_prefix_len=m.matched_len, swa_evicted_seqlen=floor, mamba_value=mv)
+        freed = set(r.frees.full_slots().tolist())
+        for i in range(m.matched_len, total):
+            if int(slots[i]) not in freed:
+                self.at[int(slots[i])] = tuple(tokens[:i + 1])
+        self._freed(r.frees)  # a tree slot replaced by an SWA recovery caches nothing now
+        if r.mamba_exist:
+            self.mfree.append(mv)
+        if early:
+            self._freed(t.release_swa(rid))
+        self.held.append((rid, early))
+        if not keep or len(self.held) > 3:
+            rid, _ = self.held.pop(0)
+            t.unlock(rid)
+
+    @precondition(lambda self: self.held)
+    @rule()
+    def unlock(self):
+        rid, _ = self.held.pop()
+        self.tree.unlock(rid)
+        with pytest.raises(UnknownReceipt):
+            self.tree.unlock(rid)
+
+    @rule(full=st.integers(0, 8), swa=st.integers(0, 8), mamba=st.integers(0, 2))
+    def evict(self, full, swa, mamba):
+        before = self.tree.sizes()
+        r = self.tree.evict(full, swa, mamba)
+        self._freed(r.frees)
+        assert r.full >= min(full, before["full"][0]) or not self.tree._leaves
+        assert len(r.frees.mamba) == r.mamba
+
+    @invariant()
+    def consistent(self):
+        assert check_hybrid(self.tree) == []
+        held = self.tree.held()
+        assert len(held["full"]) + len(self.free) == self.cap  # slot conservation
+        assert set(held["full"].tolist()) == set(self.at)
+        assert set(held["swa"].tolist()) <= set(held["full"].tolist())
+        assert len(held["mamba"]) + len(self.mfree) == 20
+
+
+TestHybridMachine = HybridMachine.TestCase
+TestHybridMachine.settings = settings(max_examples=200, stateful_step_count=50, deadline=None,
+                                      suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_bad_input_is_refused_and_changes_nothing():
+    t = HybridTree(4, window=8, mamba_chunk=4)
+    t.insert(list(range(1, 17)), np.arange(16), mamba_value=1)
+    before = (t.sizes(), t.node_count())
+    with pytest.raises(InvalidInput, match="multiple of the page size"):
+        t.insert(list(range(1, 25)), np.arange(100, 124), swa_evicted_seqlen=6, mamba_value=2)
+    with pytest.raises(InvalidInput, match="mamba_value"):
+        t.insert(list(range(1, 25)), np.arange(100, 124))
+    with pytest.raises(InvalidInput, match="slots for"):
+        t.insert(list(range(1, 25)), np.arange(100, 110), mamba_value=2)
+    assert (t.sizes(), t.node_count()) == before and check_hybrid(t) == []
+    rid = t.lock(t.match_prefix(list(range(1, 17))).node_id)
+    t.release_swa(rid)
+    with pytest.raises(InvalidInput, match="already released"):
+        t.release_swa(rid)
+    t.unlock(rid)
+    assert t.sizes()["full"] == (16, 0) and check_hybrid(t) == []
