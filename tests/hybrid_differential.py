@@ -88,7 +88,7 @@ class Recorder:
             raise AssertionError(f"unexpected cache action {type(action).__name__}")
 
 
-def build(config: str, page: int, core: str):
+def build(config: str, page: int, core: str, window: int = 0):
     setup_allocator_context()
     comps = {"swa": (CT.FULL, CT.SWA), "mamba": (CT.FULL, CT.MAMBA), "tri": (CT.FULL, CT.SWA, CT.MAMBA)}[config]
     if config == "swa":
@@ -99,7 +99,7 @@ def build(config: str, page: int, core: str):
     else:
         bundle, alloc = build_tri_pool(page_size=page, lazy=False, temporal=(0, 0, 0))
         req_pool = bundle.req_to_token_pool
-    window = WINDOW_PAGES * page
+    window = window or WINDOW_PAGES * page
     cache = UnifiedRadixCache(CacheInitParams(
         disable=False, req_to_token_pool=req_pool, token_to_kv_pool_allocator=alloc, page_size=page,
         sliding_window_size=window, tree_components=comps, enable_mamba_extra_buffer=page > 1,

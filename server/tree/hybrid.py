@@ -226,27 +226,34 @@ class HybridTree:
         root = self.root
         if not kb:
             return HybridMatch(_EMPTY64, 0, root.id, 0)
-        validators = [c.validator() for c in self.aux]
         node, off, full_hit = root, 0, 0
-        values: list[np.ndarray] = []
-        best, best_n = root, 0
+        path: list[HNode] = []
         pb = self._pb
         while off < len(kb):
             child = node.children.get(kb[off:off + pb])
             if child is None:
                 break
+            if kb.startswith(child.key, off):
+                plen = len(child.key) >> 2
+                full_hit += plen
+                path.append(child)
+                node = child
+                off += plen * 4
+                continue
             plen = self._common(child.key, kb, off)
             full_hit += plen
-            whole = plen * 4 == len(child.key)
-            if not whole:
+            if plen * 4 < len(child.key):
                 child = self._split(child, plen)
-            values.append(child.full)
-            node = child
-            if all([v(child) for v in validators]):  # every validator sees every node: SWA counts coverage
-                best, best_n = child, len(values)
-            if not whole:
-                break
-            off += plen * 4
+            path.append(child)
+            break
+        best_n, settled = len(path), False
+        while not settled and best_n:  # the deepest node every component accepts as a match end
+            settled = True
+            for comp in self.aux:
+                n = comp.deepest(path, best_n)
+                if n != best_n:
+                    best_n, settled = n, False
+        best = path[best_n - 1] if best_n else root
         for comp in self.aux:
             comp.refresh_match(best)
         t = self._clock_tick()
@@ -255,9 +262,12 @@ class HybridTree:
             walker.atime = t
             t -= 1e-5
             walker = walker.parent
-        used = values[:best_n]
-        matched = sum(len(v) for v in used)
-        out = HybridMatch(np.concatenate(used) if used else _EMPTY64, matched, best.id, full_hit)
+        if best_n == 1:
+            indices = best.full
+        else:
+            indices = np.concatenate([nd.full for nd in path[:best_n]]) if best_n else _EMPTY64
+        matched = len(indices)
+        out = HybridMatch(indices, matched, best.id, full_hit)
         if self.swa is not None:
             aligned = full_hit - full_hit % self.page_size
             out.swa_branching_seqlen = aligned if aligned > matched else None
@@ -297,7 +307,7 @@ class HybridTree:
             if child is None:
                 break
             child.atime = self._clock_tick()
-            plen = self._common(child.key, kb, off)
+            plen = len(child.key) >> 2 if kb.startswith(child.key, off) else self._common(child.key, kb, off)
             if plen * 4 < len(child.key):
                 self._split(child, plen)
             vslice = values[total:total + plen]

@@ -105,8 +105,10 @@ class Component:
         """Units this node's value counts for (tokens, or states)."""
         raise NotImplementedError
 
-    def validator(self) -> Callable[["HNode"], bool]:
-        return lambda node: True
+    def deepest(self, path: list, limit: int) -> int:
+        """How many nodes of the matched path (root first) a match may keep: the deepest node at or above
+        path[limit - 1] where this component accepts a match end (0: none)."""
+        return limit
 
     def on_split(self, upper: "HNode", child: "HNode") -> None:
         pass

@@ -7,7 +7,7 @@ only; eviction tombstones an inner node's state (no cascade) or deletes a whole 
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from .base import MAMBA, Component
 
@@ -36,8 +36,11 @@ class MambaComponent(Component):
     def size(self, node: "HNode") -> int:
         return 1
 
-    def validator(self) -> Callable[["HNode"], bool]:
-        return lambda node: node.mamba >= 0
+    def deepest(self, path: list, limit: int) -> int:
+        for i in range(limit - 1, -1, -1):
+            if path[i].mamba >= 0:
+                return i + 1
+        return 0
 
     def on_split(self, upper: "HNode", child: "HNode") -> None:
         upper.mamba, upper.mlock = -1, 0

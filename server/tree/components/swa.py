@@ -13,7 +13,7 @@ which the pool layer owns. Semantics follow SGLang 0.5.23's unified cache (SPEC-
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from .base import SWA, Component
 
@@ -42,18 +42,19 @@ class SwaComponent(Component):
     def size(self, node: "HNode") -> int:
         return len(node.key) >> 2
 
-    def validator(self) -> Callable[["HNode"], bool]:
+    def deepest(self, path: list, limit: int) -> int:
         window = self.window
-        covered = [float("inf")]
-
-        def valid(node: "HNode") -> bool:
+        covered = float("inf")  # no gap since the root: any node may end a match
+        best = 0
+        for i in range(limit):
+            node = path[i]
             if not node.swa:
-                covered[0] = 0
-                return False
-            covered[0] += len(node.key) >> 2
-            return covered[0] >= window
-
-        return valid
+                covered = 0
+                continue
+            covered += len(node.key) >> 2
+            if covered >= window:
+                best = i + 1
+        return best
 
     def on_split(self, upper: "HNode", child: "HNode") -> None:
         upper.slock = child.slock
