@@ -109,7 +109,7 @@ def build(config: str, page: int, core: str, window: int = 0):
     rec = Recorder(cache, CT.SWA in comps)
     cache._apply_cache_action = rec
     mine = HybridTree(page, window=window if CT.SWA in comps else None,
-                      mamba_chunk=CHUNK if CT.MAMBA in comps else None)
+                      mamba_chunk=CHUNK if CT.MAMBA in comps else None, events=True)
     if CT.MAMBA in comps:
         grid = cache.components[CT.MAMBA].mamba_checkpoint_grid
         assert grid == mine.mamba.grid, (grid, mine.mamba.grid)
@@ -247,6 +247,7 @@ def run(config: str, page: int, core: str, seed: int, steps: int) -> None:
         elif has_mamba:
             evict(mamba=rnd.randrange(1, 3))
         agree("sizes", sizes_of(cache, comps), mine.sizes())
+        mine.take_events()  # recorded on every path above; their content is tests/test_tree_hybrid.py's
         bad = check_hybrid(mine)
         if bad:
             raise AssertionError(f"step {step}: checker: {bad[:5]}")

@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from radixd.server.tree import InvalidInput, UnknownReceipt
+from radixd.server.tree.events import BlockStored
+from radixd.server.tree.hashes import token_block_hashes
 from radixd.server.tree.hybrid import HybridTree
 from radixd.server.tree.hybrid_check import check_hybrid
 
@@ -50,7 +52,8 @@ class HybridMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.tree = HybridTree(self.PAGE, window=self.WINDOW, mamba_chunk=self.CHUNK)
+        self.tree = HybridTree(self.PAGE, window=self.WINDOW, mamba_chunk=self.CHUNK, events=True)
+        self.blocks: dict[int, set[int]] = {0: set(), 1: set(), 2: set()}  # what an event follower knows
         self.cap = 200
         self.free = list(range(self.cap))
         self.mfree = list(range(1000, 1020))
@@ -122,6 +125,39 @@ class HybridMachine(RuleBasedStateMachine):
         self._freed(r.frees)
         assert r.full >= min(full, before["full"][0]) or not self.tree._leaves
         assert len(r.frees.mamba) == r.mamba
+
+    def _follow(self) -> None:
+        for ev in self.tree.take_events():
+            known = self.blocks[ev.group_idx]
+            if isinstance(ev, BlockStored):
+                assert ev.kv_cache_spec_kind == ("full_attention", "sliding_window", "mamba")[ev.group_idx]
+                assert not known & set(ev.block_hashes), "a page stored twice in one component"
+                known.update(ev.block_hashes)
+            else:
+                assert set(ev.block_hashes) <= known, "a page removed that was never stored"
+                known.difference_update(ev.block_hashes)
+
+    @invariant()
+    def events_rebuild_every_component(self):
+        """A follower of the events holds, per component, exactly the pages the tree holds."""
+        self._follow()
+        t = self.tree
+        want: dict[int, set[int]] = {0: set(), 1: set(), 2: set()}
+        for node in list(t._nodes.values()):
+            if node.parent is None:
+                continue
+            path, walker = [], node
+            while walker.parent is not None:
+                path.append(walker.key)
+                walker = walker.parent
+            tokens = np.frombuffer(b"".join(reversed(path)), "<i4").tolist()
+            pages = token_block_hashes(tokens, self.PAGE)[-(len(node.key) // 4 // self.PAGE):]
+            want[0].update(pages)
+            if node.swa:
+                want[1].update(pages)
+            if node.mamba >= 0:
+                want[2].add(pages[-1])
+        assert want == self.blocks
 
     @invariant()
     def consistent(self):

@@ -28,6 +28,9 @@ class BlockStored:
     medium: str
     cache_salt: Optional[str] = None
     lora_name: Optional[str] = None  # the adapter: the namespace's extra_key (the hash chain ignores it)
+    group_idx: Optional[int] = None  # hybrid models: which component (vLLM's KV cache group), see hybrid.py
+    kv_cache_spec_kind: Optional[str] = None
+    kv_cache_spec_sliding_window: Optional[int] = None
 
 
 @dataclass(slots=True)
@@ -36,6 +39,7 @@ class BlockRemoved:
 
     block_hashes: list[int]
     medium: str
+    group_idx: Optional[int] = None
 
 
 @dataclass(slots=True)
@@ -59,13 +63,14 @@ class Coalescer:
     def push(self, ev: Event) -> None:
         tail = self.events[-1] if self.events else None
         if isinstance(ev, BlockStored) and isinstance(tail, BlockStored) and tail.block_hashes and \
-                (tail.medium, tail.block_size, tail.cache_salt, tail.lora_name) == \
-                (ev.medium, ev.block_size, ev.cache_salt, ev.lora_name) and \
+                (tail.medium, tail.block_size, tail.cache_salt, tail.lora_name, tail.group_idx) == \
+                (ev.medium, ev.block_size, ev.cache_salt, ev.lora_name, ev.group_idx) and \
                 ev.parent_block_hash == tail.block_hashes[-1]:
             tail.block_hashes.extend(ev.block_hashes)
             tail.token_ids.extend(ev.token_ids)
             return
-        if isinstance(ev, BlockRemoved) and isinstance(tail, BlockRemoved) and tail.medium == ev.medium:
+        if isinstance(ev, BlockRemoved) and isinstance(tail, BlockRemoved) and \
+                (tail.medium, tail.group_idx) == (ev.medium, ev.group_idx):
             tail.block_hashes.extend(ev.block_hashes)
             return
         self.events.append(ev)

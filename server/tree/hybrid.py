@@ -7,7 +7,13 @@ state-space layers gets this tree, which mirrors SGLang 0.5.23's `UnifiedRadixCa
 the slots the caller must free.
 
 The backbone decides existence and leaf status (a D-leaf: no child, no lock of any component); each
-component (`components/`) adds its match validator, split rule, insert rules, lock walk, LRU and eviction walk.
+component (`components/`) adds its match rule, split rule, insert rules, lock walk, LRU and eviction walk.
+
+KV events (events=True) carry the component the way vLLM names KV cache groups: `group_idx` is the
+component's place in `components` (FULL 0, then SWA and MAMBA in that order, as configured),
+`kv_cache_spec_kind` is "full_attention", "sliding_window" or "mamba", and SWA stores carry the window.
+Page hashes are radixd's frozen chain (hashes.py), so FULL events of a hybrid tree name pages exactly as a
+plain tree's do. A MAMBA store or removal names one page, the last page of the prefix its state sums up.
 
 Where radixd differs from SGLang 0.5.23, on purpose:
   * the tree keeps whether a node's SWA half exists, not SWA slot numbers: the SWA slots are the FULL slots'
@@ -27,8 +33,10 @@ from typing import Optional
 
 import numpy as np
 
+from . import hashes as _hashes
 from .components import FULL, MAMBA, SWA, MambaComponent, SwaComponent
 from .errors import InvalidInput, StaleHandle, UnknownReceipt
+from .events import GPU, REMOVED, STORED, BlockRemoved, BlockStored, Coalescer, Event
 from .tree import TokenInput, as_int32
 
 _EMPTY64 = np.zeros(0, dtype=np.int64)
@@ -38,7 +46,7 @@ class HNode:
     """One edge of the hybrid tree: packed int32 key, FULL slots, SWA presence, MAMBA state slot, locks."""
 
     __slots__ = ("id", "parent", "children", "key", "full", "swa", "mamba", "lock", "slock", "mlock", "suuid",
-                 "atime", "created")
+                 "atime", "created", "dig")
 
     def __init__(self, node_id: int, parent: Optional["HNode"], key: bytes, full: np.ndarray, tick: float):
         self.id = node_id
@@ -52,6 +60,7 @@ class HNode:
         self.suuid = 0  # SWA window boundary mark (0: none)
         self.atime = tick
         self.created = tick + 1
+        self.dig: Optional[bytes] = None  # page digests (events on), 32 bytes per page
 
     def __repr__(self) -> str:
         return (f"HNode(id={self.id}, tokens={len(self.key) >> 2}, swa={self.swa}, mamba={self.mamba}, "
@@ -134,7 +143,8 @@ class HybridTree:
 
     FULL = FULL
 
-    def __init__(self, page_size: int = 1, window: Optional[int] = None, mamba_chunk: Optional[int] = None):
+    def __init__(self, page_size: int = 1, window: Optional[int] = None, mamba_chunk: Optional[int] = None,
+                 events: bool = False):
         if page_size < 1:
             raise ValueError("page_size must be >= 1")
         self.page_size = page_size
@@ -153,6 +163,8 @@ class HybridTree:
         self.components = (FULL,) + tuple(c.name for c in self.aux)
         self.evictable = {c: 0 for c in (FULL, SWA, MAMBA)}
         self.protected = {c: 0 for c in (FULL, SWA, MAMBA)}
+        self.groups = {c: i for i, c in enumerate(self.components)}  # component -> event group_idx
+        self._ev: Optional[list] = [] if events else None
 
     # ------------------------------------------------------------- helpers
     def _clock_tick(self) -> float:
@@ -204,6 +216,9 @@ class HybridTree:
         parent = child.parent
         upper = self._new_node(parent, child.key[:k * 4], child.full[:k])
         upper.lock = child.lock
+        if child.dig is not None:
+            cut = k // self.page_size * 32
+            upper.dig, child.dig = child.dig[:cut], child.dig[cut:]
         child.full = child.full[k:]
         child.key = child.key[k * 4:]
         child.parent = upper
@@ -330,6 +345,8 @@ class HybridTree:
             target = self._new_node(node, kb[off:], values[total:].copy())
             node.children[kb[off:off + pb]] = target
             self.evictable[FULL] += n - total
+            if self._ev is not None:
+                self._record(STORED, FULL, target)
             self._update_leaf(target)
             self._update_leaf(node)
         else:
@@ -409,6 +426,8 @@ class HybridTree:
 
     # ------------------------------------------------------------- eviction
     def _delete_leaf(self, node: HNode, frees: HybridFrees, tracker: dict) -> None:
+        if self._ev is not None:
+            self._record(REMOVED, FULL, node)
         n = len(node.full)
         frees.full.append(node.full)
         self.evictable[FULL] -= n
@@ -448,6 +467,61 @@ class HybridTree:
             if comp is not None and want > tracker[comp.name]:
                 comp.evict_walk(want, tracker, frees)
         return HybridEvicted(tracker[FULL], tracker[SWA], tracker[MAMBA], frees)
+
+    # ------------------------------------------------------------- events
+    def _digests(self, node: HNode) -> bytes:
+        """A node's page digests (the frozen chain of hashes.py), computed top-down where missing."""
+        if node.dig is None:
+            todo = []
+            walker = node
+            while walker.parent is not None and walker.dig is None:
+                todo.append(walker)
+                walker = walker.parent
+            prior = walker.dig[-32:] if walker.parent is not None else None
+            for nd in reversed(todo):
+                nd.dig = _hashes.chain(nd.key, self._pb, prior)
+                prior = nd.dig[-32:]
+        return node.dig
+
+    def _record(self, kind: int, component: str, node: HNode) -> None:
+        """Queue one component's store or removal of a node (hashed now: the node may split or go later).
+        FULL and SWA name every page of the node; MAMBA names its last page, the prefix its state sums up."""
+        if self._ev is None:
+            return
+        dig = self._digests(node)
+        if component == MAMBA:
+            if len(dig) > 32:
+                parent = dig[-64:-32]
+            else:
+                parent = self._digests(node.parent)[-32:] if node.parent.parent is not None else None
+            dig, key = dig[-32:], node.key[-self._pb:]
+        else:
+            parent = self._digests(node.parent)[-32:] if node.parent.parent is not None else None
+            key = node.key
+        self._ev.append((kind, component, dig, parent, key))
+
+    def take_events(self) -> list[Event]:
+        """Events since the last call, coalesced. Each carries its component as vLLM's KV cache group:
+        group_idx is the component's place in `components` (FULL 0, then SWA and MAMBA as configured),
+        kv_cache_spec_kind is "full_attention", "sliding_window" or "mamba", and an SWA store carries the
+        window. MAMBA events name one page: the last page of the prefix whose state is cached."""
+        if not self._ev:
+            return []
+        recs, self._ev = self._ev, []
+        out = Coalescer()
+        kinds = {FULL: "full_attention", SWA: "sliding_window", MAMBA: "mamba"}
+        window = self.swa.window if self.swa is not None else None
+        for kind, comp, dig, parent, key in recs:
+            hashes = _hashes.block_hashes(dig)
+            group = self.groups[comp]
+            if kind == STORED:
+                out.push(BlockStored(hashes, None if parent is None else _hashes.block_hash(parent),
+                                     np.frombuffer(key, "<i4").tolist(), self.page_size, GPU,
+                                     group_idx=group, kv_cache_spec_kind=kinds[comp],
+                                     kv_cache_spec_sliding_window=window if comp == SWA else None))
+            else:
+                out.push(BlockRemoved(hashes, GPU, group_idx=group))
+        return out.events
 
     # ------------------------------------------------------------- views
     def sizes(self) -> dict[str, tuple[int, int]]:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, Optional
 
+from ..events import REMOVED as REMOVED_EVENT, STORED as STORED_EVENT
+
 if TYPE_CHECKING:
     from ..hybrid import HNode, HybridFrees, HybridTree
 
@@ -162,3 +164,4 @@ class Component:
         """A value appeared on node: count it and make it the most recent."""
         self.lru.insert_mru(node)
         (self.tree.protected if locked else self.tree.evictable)[self.name] += self.size(node)
+        self.tree._record(STORED_EVENT, self.name, node)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .base import MAMBA, Component
+from .base import REMOVED_EVENT, MAMBA, Component
 
 if TYPE_CHECKING:
     from ..hybrid import HNode, HybridFrees
@@ -84,6 +84,7 @@ class MambaComponent(Component):
             self.tree._update_leaf(node)
 
     def drop(self, node: "HNode", frees: "HybridFrees", tracker) -> None:
+        self.tree._record(REMOVED_EVENT, self.name, node)
         frees.mamba.append(node.mamba)
         self.tree.evictable[MAMBA] -= 1
         node.mamba = -1

@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 from typing import TYPE_CHECKING
 
-from .base import SWA, Component
+from .base import REMOVED_EVENT, SWA, Component
 
 if TYPE_CHECKING:
     from ..hybrid import HNode, HybridFrees
@@ -160,6 +160,7 @@ class SwaComponent(Component):
 
     def drop(self, node: "HNode", frees: "HybridFrees", tracker) -> None:
         n = len(node.key) >> 2
+        self.tree._record(REMOVED_EVENT, self.name, node)
         frees.swa.append(node.full)
         self.tree.evictable[SWA] -= n
         node.swa = False
