@@ -432,6 +432,11 @@ def model_geometry(hf: dict[str, Any], tp_size: int = 1) -> dict[str, Any]:
     if text.get("kv_lora_rank"):  # MLA (DeepSeek V2/V3): one latent "head" of rank + rope dims per token
         return dict(layers=layers, kv_heads=1, head_dim=text["kv_lora_rank"] + text.get("qk_rope_head_dim", 0),
                     dtype=dtype, mla=True)
+    from .layouts import LayoutError, model_layout
+    layout = model_layout(hf, tp_size)
+    if layout.hybrid:
+        raise LayoutError(f"a hybrid model ({layout.describe()}): radixd serves full-attention-only models; "
+                          "its SWA and Mamba pools are not in the service yet")
     heads = text["num_attention_heads"]
     kv = text.get("num_key_value_heads") or heads
     head_dim = text.get("head_dim") or text["hidden_size"] // heads
@@ -443,6 +448,8 @@ def model_geometry(hf: dict[str, Any], tp_size: int = 1) -> dict[str, Any]:
 def _apply_model(cfg: Config, origin: dict[str, str]) -> None:
     """Fill the KV geometry from --model-config or a --model preset; settings given explicitly win."""
     import json
+
+    from .layouts import LayoutError
     if cfg.model:
         from .models import PRESETS
         if cfg.model not in PRESETS:
@@ -466,6 +473,8 @@ def _apply_model(cfg: Config, origin: dict[str, str]) -> None:
         geo = model_geometry(hf, cfg.tp_size)
     except OSError as e:
         raise ConfigError(f"{src}: {cfg.model_config}: {e.strerror or e}") from None
+    except LayoutError as e:
+        raise ConfigError(f"{src}: {cfg.model_config}: {e}") from None
     except (ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"{src}: {cfg.model_config} is not a usable model config ({type(e).__name__}: {e})") \
             from None

