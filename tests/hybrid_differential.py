@@ -1,10 +1,11 @@
 """Differential test of radixd's hybrid tree (`server/tree/hybrid.py`) against SGLang 0.5.23's own
 `UnifiedRadixCache` (run in SGLang's venv by tests/test_tree_hybrid.py).
 
-    python tests/hybrid_differential.py CONFIG PAGE CORE SEED STEPS
+    python tests/hybrid_differential.py CONFIG PAGE CORE SEED STEPS [CAP]
 
 CONFIG is swa, mamba or tri (FULL+SWA, FULL+MAMBA, FULL+SWA+MAMBA); CORE is python or rust (SGLang's tree
-core). One seeded sequence of scheduler operations runs on both: match, lock, allocate (evicting FULL when
+core); CAP is SGLang's mamba_max_states_per_path (-1: off, its default). One seeded sequence of scheduler
+operations runs on both: match, lock (some without the MAMBA state, as a decode hold may), allocate (evicting FULL when
 short), insert with prev_prefix_len, the SWA evicted seqlen and a donated MAMBA state (freed again on
 mamba_exist), the early SWA release, unlock (now or many operations later), and evictions of each component.
 After every operation both must agree on: matched length and slots, the full hit, both branching seqlens, the
@@ -56,6 +57,7 @@ class Recorder:
         self.swa: list[int] = []
         self.mamba: list[int] = []
         self.moves = 0
+        self.trims = 0
 
     def take(self) -> tuple[list[int], list[int], list[int]]:
         out = (sorted(self.full), sorted(self.swa), sorted(self.mamba))
@@ -84,12 +86,22 @@ class Recorder:
             tc.set_component_device_value(action.node_id, CT.SWA, action.kept_full.clone())
         elif isinstance(action, ca.UpdatePendingBackupOnNodeSplit):
             pass
+        elif isinstance(action, ca.MambaEvictExcessPathStates):
+            self.trims += 1
+            self.cache.components[CT.MAMBA].apply_component_action(action)  # its frees come back through here
         else:
             raise AssertionError(f"unexpected cache action {type(action).__name__}")
 
 
-def build(config: str, page: int, core: str, window: int = 0):
+def build(config: str, page: int, core: str, window: int = 0, cap: int = -1):
     setup_allocator_context()
+    if cap != -1:
+        from sglang.srt.runtime_context import publish, reset_context
+        from sglang.srt.server_args import ServerArgs
+        reset_context()
+        args = ServerArgs(model_path="dummy", device="cpu", mamba_max_states_per_path=cap)
+        args._mamba_cache_chunk_size = CHUNK
+        publish(args, role="tokenizer")
     comps = {"swa": (CT.FULL, CT.SWA), "mamba": (CT.FULL, CT.MAMBA), "tri": (CT.FULL, CT.SWA, CT.MAMBA)}[config]
     if config == "swa":
         alloc = build_swa_pool(page_size=page, lazy=False)
@@ -109,11 +121,12 @@ def build(config: str, page: int, core: str, window: int = 0):
     rec = Recorder(cache, CT.SWA in comps)
     cache._apply_cache_action = rec
     mine = HybridTree(page, window=window if CT.SWA in comps else None,
-                      mamba_chunk=CHUNK if CT.MAMBA in comps else None, events=True)
+                      mamba_chunk=CHUNK if CT.MAMBA in comps else None, events=True,
+                      mamba_max_states_per_path=cap if CT.MAMBA in comps else -1)
     if CT.MAMBA in comps:
         grid = cache.components[CT.MAMBA].mamba_checkpoint_grid
         assert grid == mine.mamba.grid, (grid, mine.mamba.grid)
-        assert cache.components[CT.MAMBA].mamba_max_states_per_path < 0, "SGLang's path cap is on"
+        assert cache.components[CT.MAMBA].mamba_max_states_per_path == cap
     if CT.SWA in comps:
         assert cache.components[CT.SWA].gates_prefix_match
     return cache, rec, mine, comps
@@ -128,9 +141,9 @@ def sizes_of(cache, comps) -> dict:
     return out
 
 
-def run(config: str, page: int, core: str, seed: int, steps: int) -> None:
+def run(config: str, page: int, core: str, seed: int, steps: int, cap: int = -1) -> None:
     rnd = random.Random(seed)
-    cache, rec, mine, comps = build(config, page, core)
+    cache, rec, mine, comps = build(config, page, core, cap=cap)
     has_swa, has_mamba = CT.SWA in comps, CT.MAMBA in comps
     free_full = list(range(1, FULL_CAP_PAGES * page + 1))
     free_mamba = list(range(1, MAMBA_CAP + 1))
@@ -184,8 +197,9 @@ def run(config: str, page: int, core: str, seed: int, steps: int) -> None:
                 agree("mamba branching", r.mamba_branching_seqlen, m.mamba_branching_seqlen)
                 src = cache.tree_core.get_component_device_value(r.best_match_node, CT.MAMBA)
                 agree("mamba source", -1 if src is None else int(src.reshape(-1)[0]), m.mamba_src)
-            lk = cache.lock(r.last_device_node)
-            rid = mine.lock(m.node_id)
+            skip = has_mamba and rnd.random() < 0.2
+            lk = cache.lock(r.last_device_node, (CT.MAMBA,) if skip else ())
+            rid = mine.lock(m.node_id, skip_mamba=skip)
             agree("sizes after lock", sizes_of(cache, comps), mine.sizes())
             total = len(toks) - len(toks) % page
             need = total - n
@@ -263,9 +277,9 @@ def run(config: str, page: int, core: str, seed: int, steps: int) -> None:
         unlock_one()
     agree("sizes at the end", sizes_of(cache, comps), mine.sizes())
     print(f"ok {config} page={page} core={core} seed={seed} steps={steps} {counts} swa_moves={rec.moves} "
-          f"nodes={mine.node_count()}")
+          f"cap={cap} trimmed={mine.mamba.trimmed if has_mamba else 0} nodes={mine.node_count()}")
 
 
 if __name__ == "__main__":
     cfg, pg, core_name, sd, n_steps = sys.argv[1:6]
-    run(cfg, int(pg), core_name, int(sd), int(n_steps))
+    run(cfg, int(pg), core_name, int(sd), int(n_steps), int(sys.argv[6]) if len(sys.argv) > 6 else -1)

@@ -45,6 +45,19 @@ def test_hybrid_tree_agrees_with_sglangs_unified_cache_op_by_op(config, page, co
         assert counts["release_swa"] > 1000, counts
 
 
+@pytest.mark.skipif(SGL_PY is None, reason="no SGLang venv (.ci/run builds .venv-sglang with sglang 0.5.23)")
+@pytest.mark.parametrize("core", ["python", "rust"])
+@pytest.mark.parametrize("page", [1, 16])
+def test_the_mamba_states_per_path_cap_agrees_with_sglang(page, core):
+    """SGLang's mamba_max_states_per_path (the Rust seed's cap, R5.14) at 2: the same shallow states dropped."""
+    r = subprocess.run([SGL_PY, "-W", "ignore", str(DIFF), "tri", str(page), core, str(400 + page), "10000", "2"],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    line = r.stdout.strip().splitlines()[-1]
+    assert line.startswith(f"ok tri page={page} core={core}") and " cap=2 " in line, line
+    assert int(line.split("trimmed=")[1].split()[0]) > 10, line  # the cap did drop states
+
+
 class HybridMachine(RuleBasedStateMachine):
     """Random requests, unlocks and evictions; a reference of which FULL slot holds each cached position."""
 
@@ -52,7 +65,8 @@ class HybridMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.tree = HybridTree(self.PAGE, window=self.WINDOW, mamba_chunk=self.CHUNK, events=True)
+        self.tree = HybridTree(self.PAGE, window=self.WINDOW, mamba_chunk=self.CHUNK, events=True,
+                               mamba_max_states_per_path=3)
         self.blocks: dict[int, set[int]] = {0: set(), 1: set(), 2: set()}  # what an event follower knows
         self.cap = 200
         self.free = list(range(self.cap))
@@ -83,7 +97,7 @@ class HybridMachine(RuleBasedStateMachine):
             assert m.mamba_src in held["mamba"].tolist()  # a hit ends where a state is
             tail = m.indices[-min(self.WINDOW, m.matched_len):]
             assert set(tail.tolist()) <= set(held["swa"].tolist())  # ...and the window before it has SWA KV
-        rid = t.lock(m.node_id)
+        rid = t.lock(m.node_id, skip_mamba=early and keep)
         total = len(tokens) - len(tokens) % self.PAGE
         need = total - m.matched_len
         if need > len(self.free):

@@ -22,7 +22,7 @@ Where radixd differs from SGLang 0.5.23, on purpose:
     rewriting the allocator's mapping;
   * device tier only: SGLang's hybrid HiCache cannot run on CPU (its copies need CUDA kernels), so there is
     nothing to prove a host tier against here; FULL-only models keep radixd's host and L3 tiers;
-  * one namespace, no EAGLE bigram keys, no per-path MAMBA state cap (SGLang's default leaves it off).
+  * one namespace, no EAGLE bigram keys.
 """
 from __future__ import annotations
 
@@ -136,6 +136,7 @@ class _Receipt:
     node: HNode
     swa_uuid: int = 0
     swa_released: bool = False
+    skip_mamba: bool = False  # a decode hold that opted out of pinning the state (R5.13)
 
 
 class HybridTree:
@@ -144,7 +145,7 @@ class HybridTree:
     FULL = FULL
 
     def __init__(self, page_size: int = 1, window: Optional[int] = None, mamba_chunk: Optional[int] = None,
-                 events: bool = False):
+                 events: bool = False, mamba_max_states_per_path: int = -1):
         if page_size < 1:
             raise ValueError("page_size must be >= 1")
         self.page_size = page_size
@@ -158,7 +159,7 @@ class HybridTree:
         self._leaves: set[HNode] = set()
         self._receipts: dict[int, _Receipt] = {}
         self.swa = SwaComponent(self, window) if window else None
-        self.mamba = MambaComponent(self, mamba_chunk) if mamba_chunk else None
+        self.mamba = MambaComponent(self, mamba_chunk, mamba_max_states_per_path) if mamba_chunk else None
         self.aux = tuple(c for c in (self.swa, self.mamba) if c is not None)  # registration order
         self.components = (FULL,) + tuple(c.name for c in self.aux)
         self.evictable = {c: 0 for c in (FULL, SWA, MAMBA)}
@@ -360,10 +361,11 @@ class HybridTree:
         return result
 
     # ------------------------------------------------------------- locks
-    def lock(self, node_id: int) -> int:
-        """Protect node's path (FULL), its window (SWA) and its state (MAMBA); returns a receipt."""
+    def lock(self, node_id: int, skip_mamba: bool = False) -> int:
+        """Protect node's path (FULL), its window (SWA) and its state (MAMBA, unless skip_mamba); returns a
+        receipt."""
         node = self._node(node_id)
-        r = _Receipt(node)
+        r = _Receipt(node, skip_mamba=skip_mamba)
         cur = node
         while cur.parent is not None:
             if cur.lock == 0:

@@ -27,7 +27,7 @@ def _expected_locks(tree: "HybridTree") -> dict[int, list[int]]:
                 if (r.swa_uuid and cur.suuid == r.swa_uuid) or (not r.swa_uuid and covered >= tree.swa.window):
                     break
                 cur = cur.parent
-        if tree.mamba is not None and not r.swa_released:
+        if tree.mamba is not None and not r.swa_released and not r.skip_mamba:
             want.setdefault(r.node.id, [0, 0, 0])[2] += 1
     return want
 

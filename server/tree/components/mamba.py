@@ -20,10 +20,14 @@ class MambaComponent(Component):
     lock_attr = "mlock"
     internal_priority = 0
 
-    def __init__(self, tree, chunk: int):
+    def __init__(self, tree, chunk: int, max_states_per_path: int = -1):
         super().__init__(tree)
         if chunk < 1:
             raise ValueError("the mamba chunk size must be >= 1")
+        if max_states_per_path == 0 or max_states_per_path < -1:
+            raise ValueError("max_states_per_path is -1 (no cap) or >= 1")
+        self.cap = max_states_per_path
+        self.trimmed = 0  # states the cap has dropped
         ps = tree.page_size
         a, b = chunk, ps
         while b:
@@ -58,12 +62,35 @@ class MambaComponent(Component):
             self._credit(node, node.mlock > 0)
             if not new_leaf:
                 node.atime = tree._clock_tick()
+            if self.cap > 0:
+                self._trim_path(node, result.frees)
             return
         self.lru.reset_mru(node)
         node.atime = tree._clock_tick()
         result.mamba_exist = True
 
+    def _trim_path(self, tail: "HNode", frees: "HybridFrees") -> None:
+        """The per-path cap (the Rust seed's R5.14): drop the shallowest states beyond it on tail's path,
+        sparing the tail, locked states, forks and D-leaves (so it is a soft cap, as in SGLang)."""
+        holders = []
+        node = tail
+        while node.parent is not None:
+            if node.mamba >= 0:
+                holders.append(node)
+            node = node.parent
+        excess = len(holders) - self.cap
+        for node in reversed(holders):
+            if excess <= 0 or node is tail:
+                break
+            if node.mlock or len(node.children) != 1 or node in self.tree._leaves:
+                continue
+            self.drop(node, frees, None)
+            self.trimmed += 1
+            excess -= 1
+
     def acquire(self, node: "HNode", receipt) -> None:
+        if receipt.skip_mamba:
+            return
         if node is self.tree.root:
             return
         if node.mlock == 0 and node.mamba >= 0:
@@ -72,7 +99,7 @@ class MambaComponent(Component):
         node.mlock += 1
 
     def release(self, node: "HNode", receipt) -> None:
-        if node is self.tree.root:
+        if receipt.skip_mamba or node is self.tree.root:
             return
         if node.mlock <= 0:
             raise AssertionError(f"MAMBA release below zero on node {node.id}")
