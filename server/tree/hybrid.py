@@ -46,13 +46,14 @@ class HNode:
     """One edge of the hybrid tree: packed int32 key, FULL slots, SWA presence, MAMBA state slot, locks."""
 
     __slots__ = ("id", "parent", "children", "key", "full", "swa", "mamba", "lock", "slock", "mlock", "suuid",
-                 "atime", "created", "dig")
+                 "atime", "created", "dig", "n")
 
     def __init__(self, node_id: int, parent: Optional["HNode"], key: bytes, full: np.ndarray, tick: float):
         self.id = node_id
         self.parent = parent
         self.children: dict[bytes, HNode] = {}
         self.key = key
+        self.n = len(key) >> 2  # tokens on this edge
         self.full = full
         self.swa = False
         self.mamba = -1  # MAMBA state slot (-1: none)
@@ -222,6 +223,7 @@ class HybridTree:
             upper.dig, child.dig = child.dig[:cut], child.dig[cut:]
         child.full = child.full[k:]
         child.key = child.key[k * 4:]
+        child.n -= k
         child.parent = upper
         upper.children[child.key[:self._pb]] = child
         parent.children[upper.key[:self._pb]] = upper
@@ -366,15 +368,15 @@ class HybridTree:
         receipt."""
         node = self._node(node_id)
         r = _Receipt(node, skip_mamba=skip_mamba)
-        cur = node
+        cur, newly = node, 0
         while cur.parent is not None:
             if cur.lock == 0:
-                n = len(cur.full)
-                self.evictable[FULL] -= n
-                self.protected[FULL] += n
+                newly += cur.n
             cur.lock += 1
-            self._leaves.discard(cur)
-            cur = cur.parent
+            cur = cur.parent  # only the anchor can be a leaf: every node above it has a child
+        if newly:
+            self.evictable[FULL] -= newly
+            self.protected[FULL] += newly
         for comp in self.aux:
             comp.acquire(node, r)
         self._update_leaf(node)
@@ -414,17 +416,16 @@ class HybridTree:
             if r.swa_released and comp.internal_priority <= self.swa.internal_priority:
                 continue
             comp.release(node, r)
-        cur = node
+        cur, freed = node, 0
         while cur.parent is not None:
             if cur.lock == 1:
-                n = len(cur.full)
-                self.evictable[FULL] += n
-                self.protected[FULL] -= n
+                freed += cur.n
             cur.lock -= 1
-            if cur.lock == 0:
-                self._update_leaf(cur)
             cur = cur.parent
-        self._update_leaf(node)
+        if freed:
+            self.evictable[FULL] += freed
+            self.protected[FULL] -= freed
+        self._update_leaf(node)  # the only node of the path that can be a leaf
 
     # ------------------------------------------------------------- eviction
     def _delete_leaf(self, node: HNode, frees: HybridFrees, tracker: dict) -> None:

@@ -61,12 +61,14 @@ class Lru:
         """Move node and its ancestors within `budget` tokens to the front, node first (most recent)."""
         after = self.head
         used = 0
+        prev = self.prev
         while node is not root and used < budget:
             if has(node):
-                self.remove(node)
-                self._link_after(after, node)
+                if prev[node] is not after:  # already in place (a repeated hit): nothing to move
+                    self.remove(node)
+                    self._link_after(after, node)
                 after = node
-            used += len(node.key) >> 2
+            used += node.n
             node = node.parent
 
     def prev_unlocked(self, node) -> Optional[object]:

@@ -108,7 +108,6 @@ class MambaComponent(Component):
             if node.mamba >= 0:
                 self.tree.evictable[MAMBA] += 1
                 self.tree.protected[MAMBA] -= 1
-            self.tree._update_leaf(node)
 
     def drop(self, node: "HNode", frees: "HybridFrees", tracker) -> None:
         self.tree._record(REMOVED_EVENT, self.name, node)

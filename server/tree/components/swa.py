@@ -40,7 +40,7 @@ class SwaComponent(Component):
         return node.swa
 
     def size(self, node: "HNode") -> int:
-        return len(node.key) >> 2
+        return node.n
 
     def deepest(self, path: list, limit: int) -> int:
         window = self.window
@@ -51,7 +51,7 @@ class SwaComponent(Component):
             if not node.swa:
                 covered = 0
                 continue
-            covered += len(node.key) >> 2
+            covered += node.n
             if covered >= window:
                 best = i + 1
         return best
@@ -101,12 +101,12 @@ class SwaComponent(Component):
         if not new_leaf:
             return
         start = result.prefix_len
-        live = self._tombstone_tail(node, start, start + (len(node.key) >> 2), params.swa_evicted_seqlen)
+        live = self._tombstone_tail(node, start, start + node.n, params.swa_evicted_seqlen)
         if live is None:
             return
         older = None
-        if node.slock == 0 and (len(node.key) >> 2) > self.tail_len:
-            older = self.tree._split(node, (len(node.key) >> 2) - self.tail_len)
+        if node.slock == 0 and node.n > self.tail_len:
+            older = self.tree._split(node, node.n - self.tail_len)
         for nd in (older, node):  # older fragment first, so the tail is the more recent
             if nd is not None:
                 nd.swa = True
@@ -119,11 +119,11 @@ class SwaComponent(Component):
         cur = node
         while cur is not root and covered < window:
             if cur.slock == 0 and cur.swa:
-                n = len(cur.key) >> 2
+                n = cur.n
                 tree.evictable[SWA] -= n
                 tree.protected[SWA] += n
             cur.slock += 1
-            covered += len(cur.key) >> 2
+            covered += cur.n
             if covered >= window:
                 if not cur.suuid:
                     cur.suuid = next(_uuids)
@@ -140,9 +140,10 @@ class SwaComponent(Component):
                 raise AssertionError(f"SWA release below zero on node {cur.id}")
             cur.slock -= 1
             if cur.slock == 0:
-                tree._update_leaf(cur)
+                if not cur.children:  # a node with a child is never a leaf
+                    tree._update_leaf(cur)
                 if cur.swa:
-                    n = len(cur.key) >> 2
+                    n = cur.n
                     tree.evictable[SWA] += n
                     tree.protected[SWA] -= n
                     if frees is not None and cur in tree._leaves:
@@ -159,7 +160,7 @@ class SwaComponent(Component):
         self._unlock_walk(node, receipt.swa_uuid, frees)
 
     def drop(self, node: "HNode", frees: "HybridFrees", tracker) -> None:
-        n = len(node.key) >> 2
+        n = node.n
         self.tree._record(REMOVED_EVENT, self.name, node)
         frees.swa.append(node.full)
         self.tree.evictable[SWA] -= n
