@@ -41,16 +41,22 @@ class MappedPool:
             raw = torch.from_dlpack(self._ipc.as_uint8())
         else:
             raise PoolMappingError(f"unknown backend {desc.backend!r}")
-        dtype = getattr(torch, DTYPES[desc.dtype][2])
         self.device = raw.device
         self.buffers: dict[str, Any] = {}
         for b in desc.buffers:
+            name = b.dtype or desc.dtype
+            dtype = getattr(torch, DTYPES[name][2])
             n = 1
             for x in b.shape:
                 n *= x
-            nbytes = n * dtype.itemsize if hasattr(dtype, "itemsize") else n * DTYPES[desc.dtype][0]
+            nbytes = n * DTYPES[name][0]
             self.buffers[b.name] = raw[b.offset:b.offset + nbytes].view(dtype).view(b.shape)
-        kinds = ("kv",) if desc.mla else ("k", "v")
+        if desc.layout == "state":  # a state pool: conv_buffer[layer], temporal_buffer[layer], [slots, ...]
+            self.conv_buffer = [self.buffers[f"conv.{i}"] for i in range(desc.num_layers)]
+            self.temporal_buffer = [self.buffers[f"temporal.{i}"] for i in range(desc.num_layers)]
+            kinds: tuple[str, ...] = ()
+        else:
+            kinds = ("kv",) if desc.mla else ("k", "v")
         per = {k: [self._layer(layer, k, kinds) for layer in range(desc.num_layers)] for k in kinds}
         self.k_buffer = per.get("k", [])
         self.v_buffer = per.get("v", [])

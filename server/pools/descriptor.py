@@ -11,6 +11,7 @@ class BufferDesc:
     name: str
     offset: int
     shape: tuple[int, ...]
+    dtype: str = ""  # "" : the pool's dtype (a state pool's conv and temporal buffers differ)
 
 
 @dataclass(frozen=True)
@@ -44,5 +45,6 @@ class PoolDescriptor:
     def from_dict(cls, d: dict) -> "PoolDescriptor":
         d = dict(d)
         d["handle"] = bytes.fromhex(d["handle"]) if isinstance(d["handle"], str) else d["handle"]
-        d["buffers"] = tuple(BufferDesc(b["name"], b["offset"], tuple(b["shape"])) for b in d["buffers"])
+        d["buffers"] = tuple(BufferDesc(b["name"], b["offset"], tuple(b["shape"]), b.get("dtype", ""))
+                             for b in d["buffers"])
         return cls(**d)
