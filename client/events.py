@@ -72,6 +72,11 @@ def replay_zmq(endpoint: str, start: int, stop: Optional[int] = None, timeout_ms
         s.close(linger=0)
 
 
+def _key(ev: dict) -> str:
+    group = ev.get("group_idx")
+    return ev["medium"] if not group else f"{ev['medium']}/{group}"
+
+
 class BlockIndex:
     """What a cache-aware router keeps: per node and medium, the block hashes it holds (a multiset)."""
 
@@ -82,15 +87,16 @@ class BlockIndex:
         self.resyncs = 0  # gaps or losses reported by a stream
 
     def apply(self, node: str, events: list[dict]) -> None:
-        """Apply event dicts (from gRPC or ZMQ) of one node in stream order."""
+        """Apply event dicts (from gRPC or ZMQ) of one node in stream order. A hybrid model's events carry a
+        KV cache group: group 0 (FULL) counts as the medium itself, group g > 0 under "MEDIUM/g"."""
         with self._lock:
             media = self._nodes.setdefault(node, {m: Counter() for m in MEDIA})
             for ev in events:
                 kind = ev["type"]
                 if kind == "BlockStored":
-                    media.setdefault(ev["medium"], Counter()).update(ev["block_hashes"])
+                    media.setdefault(_key(ev), Counter()).update(ev["block_hashes"])
                 elif kind == "BlockRemoved":  # one pass (Counter.subtract is a Python loop of its own)
-                    c = media.setdefault(ev["medium"], Counter())
+                    c = media.setdefault(_key(ev), Counter())
                     get, pop = c.get, c.pop  # dict's own: Counter.__delitem__ is Python too
                     for h in ev["block_hashes"]:
                         n = get(h, 0)
@@ -102,9 +108,9 @@ class BlockIndex:
                     for c in media.values():
                         c.clear()
 
-    def blocks(self, node: str, medium: str) -> Counter:
+    def blocks(self, node: str, medium: str, group: int = 0) -> Counter:
         with self._lock:
-            return Counter(self._nodes.get(node, {}).get(medium, Counter()))
+            return Counter(self._nodes.get(node, {}).get(medium if not group else f"{medium}/{group}", Counter()))
 
     def match(self, tokens: Any, cache_salt: str = "") -> dict[str, dict[str, int]]:
         """Per node: leading blocks of `tokens` held on the device ("GPU"), and on either tier ("any")."""

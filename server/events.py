@@ -59,10 +59,14 @@ def _msgspec_types():
         medium: Optional[str]
         lora_name: Optional[str]  # no default: always written (vLLM's decoder requires the field)
         cache_salt: Optional[str] = None
+        group_idx: Optional[int] = None  # hybrid models only (vLLM's KV cache group; omitted otherwise)
+        kv_cache_spec_kind: Optional[str] = None
+        kv_cache_spec_sliding_window: Optional[int] = None
 
     class _Removed(msgspec.Struct, tag="BlockRemoved", omit_defaults=True, gc=False):
         block_hashes: list[int]
         medium: Optional[str]
+        group_idx: Optional[int] = None
 
     class _Cleared(msgspec.Struct, tag="AllBlocksCleared", omit_defaults=True, gc=False):
         pass
@@ -106,9 +110,10 @@ def python_payload(ts: float, events: list[Event]) -> bytes:
     for ev in events:
         if isinstance(ev, BlockStored):
             out.append(stored(ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size, None, ev.medium,
-                              ev.lora_name, ev.cache_salt))
+                              ev.lora_name, ev.cache_salt, ev.group_idx, ev.kv_cache_spec_kind,
+                              ev.kv_cache_spec_sliding_window))
         elif isinstance(ev, BlockRemoved):
-            out.append(removed(ev.block_hashes, ev.medium))
+            out.append(removed(ev.block_hashes, ev.medium, ev.group_idx))
         else:
             out.append(cleared())
     return enc.encode(batch(ts, out))
