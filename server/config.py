@@ -434,9 +434,11 @@ def model_geometry(hf: dict[str, Any], tp_size: int = 1) -> dict[str, Any]:
                     dtype=dtype, mla=True)
     from .layouts import LayoutError, model_layout
     layout = model_layout(hf, tp_size)
-    if layout.hybrid:
-        raise LayoutError(f"a hybrid model ({layout.describe()}): radixd serves full-attention-only models; "
-                          "its SWA and Mamba pools are not in the service yet")
+    if layout.state_layers:
+        raise LayoutError(f"a hybrid model ({layout.describe()}): the radixd service cannot hold Mamba / "
+                          "linear-attention states yet (neither engine runs such a model without them)")
+    if layout.swa_layers:  # cached as full attention, as vLLM does with a connector without hybrid support
+        layers = len(layout.full_layers) + len(layout.swa_layers)
     heads = text["num_attention_heads"]
     kv = text.get("num_key_value_heads") or heads
     head_dim = text.get("head_dim") or text["hidden_size"] // heads

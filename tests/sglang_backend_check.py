@@ -343,6 +343,31 @@ def scenario_tensor_parallel_ranks_share_their_heads(c: CacheClient) -> None:
     settled(c)
 
 
+def scenario_a_hybrid_model_is_refused_at_engine_start_in_one_line(c: CacheClient) -> None:
+    """SGLang's own TreeCacheBuildContext for a sliding-window and for a Mamba-hybrid model, through the factory
+    SGLang's registry holds for radixd: refused before any radixd call (no session opens)."""
+    from sglang.srt.mem_cache.registry import TreeCacheBuildContext, get_radix_cache_factory
+    import radixd.sglang
+    radixd.sglang.register()
+    build = get_radix_cache_factory("radixd")
+    e = Engine(backend=False)
+    before = c.stats()["sessions"]
+    for swa, ssm, words in ((True, False, "sliding-window"), (False, True, "Mamba"), (True, True, "and")):
+        params = CacheInitParams(disable=False, req_to_token_pool=e.r2t, token_to_kv_pool_allocator=e.alloc,
+                                 page_size=PAGE)
+        ctx = TreeCacheBuildContext(server_args=None, params=params,
+            is_hybrid_swa=swa, is_hybrid_ssm=ssm, enable_hierarchical_cache=False, disable_radix_cache=False,
+            tp_worker=None, model_config=None, tp_size=1, tp_rank=0, tp_group=None)
+        try:
+            build(ctx)
+        except ValueError as err:
+            msg = str(err)
+            assert "\n" not in msg and words in msg and "--radix-cache-backend radixd" in msg, msg
+        else:
+            raise AssertionError("a hybrid model was accepted")
+    assert c.stats()["sessions"] == before  # refused before connecting
+
+
 SCENARIOS = {k[len("scenario_"):]: v for k, v in dict(globals()).items() if k.startswith("scenario_")}
 
 if __name__ == "__main__":

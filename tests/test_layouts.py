@@ -1,5 +1,6 @@
-"""Hybrid layouts from real Hugging Face configs (tests/configs): classified and sized as the counterparts do,
-refused at start in one line while the service has no SWA or Mamba pools, and an uninterpretable field named."""
+"""Hybrid layouts from real Hugging Face configs (tests/configs): classified and sized as the counterparts do;
+sliding-window models sized as full attention (as vLLM caches them through a connector without hybrid support),
+state-space hybrids refused at start in one line, and an uninterpretable field named."""
 from __future__ import annotations
 
 import json
@@ -56,8 +57,17 @@ def test_an_uninterpretable_field_is_named(cfg, field):
         model_layout(cfg)
 
 
-@pytest.mark.parametrize("name", ["gpt-oss", "qwen3-next", "nemotron-h-4b"])
-def test_serve_refuses_a_hybrid_model_in_one_line(name):
+def test_sliding_window_layers_are_sized_as_full_attention_as_vllm_caches_them_without_hybrid_support():
+    """vLLM turns its hybrid KV manager off for a connector without SupportsHMA: every attention layer then
+    keeps full KV per block, which is what radixd must size."""
+    from radixd.server.config import model_geometry
+    geo = model_geometry(json.loads((CONFIGS / "gpt-oss.json").read_text()))
+    assert geo == dict(layers=36, kv_heads=8, head_dim=64, dtype="bfloat16", mla=False)
+    assert model_geometry(json.loads((CONFIGS / "gemma3-4b-multimodal.json").read_text()))["layers"] == 34
+
+
+@pytest.mark.parametrize("name", ["qwen3-next", "nemotron-h-4b", "jamba"])
+def test_serve_refuses_a_state_space_hybrid_in_one_line(name):
     r = subprocess.run([sys.executable, "-m", "radixd.server.cli", "serve", "--model-config",
                         str(CONFIGS / f"{name}.json")], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2, r.stderr

@@ -23,7 +23,7 @@ SCENARIOS = ["two_engines_share_pages_byte_for_byte", "pages_on_radixd_host_tier
              "partial_hit_and_namespaces", "abort_and_unused_markers_release_radixd_locks",
              "same_matches_as_sglang_alone", "overridden_signatures_match_sglang",
              "a_stopped_radixd_costs_a_miss_at_the_deadline",
-             "tensor_parallel_ranks_share_their_heads"]
+             "tensor_parallel_ranks_share_their_heads", "a_hybrid_model_is_refused_at_engine_start_in_one_line"]
 
 
 @pytest.fixture(scope="module")

@@ -161,6 +161,47 @@ def test_overwritten_radixd_pages_change_the_output(model_dir, reference):
         srv.stop()
 
 
+@pytest.fixture(scope="module")
+def gemma3_dir():
+    """A tiny Gemma 3: three sliding-window layers (window 64) and a full-attention one."""
+    if VLLM_PY is None:
+        pytest.skip("no vLLM venv")
+    d = tempfile.mkdtemp(prefix="radixd-vllm-gemma3-")
+    subprocess.run([VLLM_PY, str(ENGINE), d, "--arch", "gemma3"], check=True, timeout=300,
+                   env={**os.environ, "PYTHONPATH": ""})
+    yield d
+
+
+@needs_vllm
+def test_a_sliding_window_model_is_served_as_full_attention(gemma3_dir):
+    """vLLM turns its hybrid KV manager off for this connector (no SupportsHMA), so every layer of a
+    sliding-window model keeps full KV per block; radixd sizes them so from config.json (layer_types) and the
+    200-token prompt (past the 64-token window) hits, generates what an engine without a connector does, and
+    changes with overwritten pages."""
+    reference = _engine(gemma3_dir, [P + SUFFIX])
+    srv = _server(gemma3_dir)
+    try:
+        with CacheClient(srv.target, name="test") as c:
+            assert c.info()["device_pools"][0].num_layers == 4  # 3 sliding-window layers sized as full attention
+            _engine(gemma3_dir, [P], srv.target)
+            assert _settled(c)["cached_tokens"] == 192
+            b = _engine(gemma3_dir, [P + SUFFIX], srv.target)
+            assert b[0]["cached"] == 192 and b[0]["tokens"] == reference[0]["tokens"]
+            m = c.match_prefix(np.asarray(P[:192], dtype=np.int32))
+            pools = c.map_pools()
+            idx = torch.from_numpy(m.indices.copy())
+            gen = torch.Generator().manual_seed(5)
+            for layer in range(4):
+                for buf in (pools.device[0].k_buffer[layer], pools.device[0].v_buffer[layer]):
+                    buf[idx] = torch.randn(buf[idx].shape, generator=gen) * 3
+            pools.close()
+            bad = _engine(gemma3_dir, [P + SUFFIX], srv.target)
+            assert bad[0]["cached"] == 192 and bad[0]["tokens"] != reference[0]["tokens"]
+            _settled(c)
+    finally:
+        srv.stop()
+
+
 @needs_vllm
 def test_a_killed_engine_leaves_no_lock_and_no_slot_behind(model_dir):
     srv = _server(model_dir)

@@ -17,8 +17,9 @@ import time
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 2, 2, 32, 32  # the radixd server of the tests uses the same geometry
 
 
-def build_model(path: str) -> None:
-    """A deterministic tiny Llama with a tokenizer, written with save_pretrained (no download)."""
+def build_model(path: str, arch: str = "llama") -> None:
+    """A deterministic tiny Llama (or Gemma 3: three sliding-window layers of 64 tokens, then a full-attention
+    one) with a tokenizer, written with save_pretrained (no download)."""
     import torch
     from safetensors.torch import save_file
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -29,16 +30,30 @@ def build_model(path: str) -> None:
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", bos_token="w1", eos_token="w2").save_pretrained(path)
-    cfg = LlamaConfig(hidden_size=KV_HEADS * 2 * HEAD_DIM, intermediate_size=256, num_hidden_layers=LAYERS,
-                      num_attention_heads=4, num_key_value_heads=KV_HEADS, vocab_size=512,
-                      max_position_embeddings=16384, bos_token_id=1, eos_token_id=2, torch_dtype="float32")
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg)
+    if arch == "gemma3":
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+        cfg = Gemma3TextConfig(hidden_size=KV_HEADS * 2 * HEAD_DIM, intermediate_size=256, num_hidden_layers=4,
+                               num_attention_heads=4, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+                               vocab_size=512, sliding_window=64, max_position_embeddings=16384,
+                               layer_types=["sliding_attention"] * 3 + ["full_attention"], bos_token_id=1,
+                               eos_token_id=2, pad_token_id=0, torch_dtype="float32")
+        cfg.architectures = ["Gemma3ForCausalLM"]
+        torch.manual_seed(0)
+        model = Gemma3ForCausalLM(cfg)
+    else:
+        cfg = LlamaConfig(hidden_size=KV_HEADS * 2 * HEAD_DIM, intermediate_size=256, num_hidden_layers=LAYERS,
+                          num_attention_heads=4, num_key_value_heads=KV_HEADS, vocab_size=512,
+                          max_position_embeddings=16384, bos_token_id=1, eos_token_id=2, torch_dtype="float32")
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(cfg)
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(4.0)  # larger weights: greedy output that depends on the whole prompt, not a constant
     cfg.save_pretrained(path)
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, os.path.join(path, "model.safetensors"))
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if getattr(cfg, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)  # tied to the embedding (Gemma 3): saved once
+    save_file(state, os.path.join(path, "model.safetensors"))
 
 
 def main() -> None:
@@ -47,6 +62,7 @@ def main() -> None:
     ap.add_argument("prompts", nargs="?")
     ap.add_argument("out", nargs="?")
     ap.add_argument("--radixd", default="")
+    ap.add_argument("--arch", default="llama", choices=["llama", "gemma3"], help="the tiny model to build")
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--evict-between", action="store_true", help="empty radixd's device tier after each prompt")
@@ -55,7 +71,7 @@ def main() -> None:
                                                 "engine only)")
     args = ap.parse_args()
     if not os.path.exists(os.path.join(args.model_dir, "model.safetensors")):
-        build_model(args.model_dir)
+        build_model(args.model_dir, args.arch)
     if args.prompts is None:  # build only
         return
     from vllm import LLM, SamplingParams

@@ -609,8 +609,20 @@ def _building_scheduler() -> Any:
     return None
 
 
+def refuse_hybrid(ctx) -> None:
+    """A hybrid model fails at engine start in one line: its SWA KV and Mamba states live in pools the radixd
+    service does not serve yet, and a plain backend would cache the FULL layers' view of them as if complete."""
+    kinds = [k for k, on in (("sliding-window attention layers", getattr(ctx, "is_hybrid_swa", False)),
+                             ("Mamba / linear-attention state layers", getattr(ctx, "is_hybrid_ssm", False))) if on]
+    if kinds:
+        raise ValueError(f"--radix-cache-backend radixd: this model has {' and '.join(kinds)}; the radixd "
+                         "backend serves full-attention models only (drop --radix-cache-backend radixd to use "
+                         "SGLang's own hybrid cache)")
+
+
 def factory(ctx) -> RadixdRadixCache:
     """`--radix-cache-backend radixd`: build the cache from SGLang's TreeCacheBuildContext."""
+    refuse_hybrid(ctx)
     cache = RadixdRadixCache(ctx.params, tp_size=ctx.tp_size, tp_rank=ctx.tp_rank, tp_group=ctx.tp_group)
     scheduler = _building_scheduler()
     if scheduler is not None and cache.asynchronous:
