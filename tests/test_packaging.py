@@ -44,6 +44,8 @@ def test_wheel_installs_into_a_fresh_venv(tmp_path):
             "radixd.proto.cache_pb2; assert sys.argv[1] in t.__file__, t.__file__; "
             "import importlib.util as u; assert u.find_spec('server') is None and u.find_spec('client') is None; "
             "from radixd.server.tree import hashes; from radixd.server import events; "
+            "from radixd.server.tree.hybrid import HybridTree; HybridTree(1, window=2, mamba_chunk=1); "
+            "import radixd.server.pools.hybrid, radixd.server.layouts; "
             "assert (hashes.NATIVE and events.NATIVE) or not sys.argv[2]; "
             "print(t.RadixTree().insert([1, 2], [3, 4]).adopted_len)")
     out = subprocess.run([sys.executable, "-I", "-S", "-c", code, str(tmp_path / "site"),
