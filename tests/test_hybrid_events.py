@@ -14,32 +14,17 @@ import pytest
 
 from radixd.client.events import BlockIndex, decode_zmq_payload
 from radixd.server.events import python_payload
-from radixd.server.tree.hashes import token_block_hashes
 from radixd.server.tree.hybrid import HybridTree
 
 from .conftest import venv_python
+from .test_tree_hybrid import tree_pages
 
 DECODE = Path(__file__).resolve().parent / "engine_events_decode.py"
 PAGE = 4
 
 
 def _tree_blocks(t: HybridTree) -> dict[int, Counter]:
-    """Per component, the pages the tree holds, hashed from scratch."""
-    want = {0: Counter(), 1: Counter(), 2: Counter()}
-    for node in list(t._nodes.values()):
-        if node.parent is None:
-            continue
-        path, walker = [], node
-        while walker.parent is not None:
-            path.append(walker.key)
-            walker = walker.parent
-        pages = token_block_hashes(np.frombuffer(b"".join(reversed(path)), "<i4").tolist(), PAGE)[-(node.n // PAGE):]
-        want[0].update(pages)
-        if node.swa:
-            want[1].update(pages)
-        if node.mamba >= 0:
-            want[2][pages[-1]] += 1
-    return want
+    return tree_pages(t, PAGE)
 
 
 @pytest.fixture(scope="module")

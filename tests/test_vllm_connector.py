@@ -99,6 +99,19 @@ def _settled(c: CacheClient) -> dict:
     return s
 
 
+def _overwrite(c: CacheClient, tokens: list[int], layers: int) -> None:
+    """Random K and V (seeded) over every layer of the pages radixd holds for tokens, in its own pool."""
+    m = c.match_prefix(np.asarray(tokens, dtype=np.int32))
+    assert m.matched_len == len(tokens)
+    pools = c.map_pools()
+    idx = torch.from_numpy(m.indices.copy())
+    gen = torch.Generator().manual_seed(5)
+    for layer in range(layers):
+        for buf in (pools.device[0].k_buffer[layer], pools.device[0].v_buffer[layer]):
+            buf[idx] = torch.randn(buf[idx].shape, generator=gen) * 3
+    pools.close()
+
+
 @pytest.fixture(scope="module")
 def reference(model_dir):
     """What an engine without any connector generates (greedy) for the prompts of these tests."""
@@ -145,15 +158,7 @@ def test_overwritten_radixd_pages_change_the_output(model_dir, reference):
     try:
         with CacheClient(srv.target, name="test") as c:
             _engine(model_dir, [P], srv.target)
-            m = c.match_prefix(np.asarray(P[:192], dtype=np.int32))
-            assert m.matched_len == 192
-            pools = c.map_pools()
-            idx = torch.from_numpy(m.indices.copy())
-            gen = torch.Generator().manual_seed(5)
-            for layer in range(LAYERS):
-                for buf in (pools.device[0].k_buffer[layer], pools.device[0].v_buffer[layer]):
-                    buf[idx] = torch.randn(buf[idx].shape, generator=gen) * 3
-            pools.close()
+            _overwrite(c, P[:192], LAYERS)
             b = _engine(model_dir, [P + SUFFIX], srv.target)
             assert b[0]["cached"] == 192 and b[0]["tokens"] != reference[0]["tokens"]
             _settled(c)
@@ -187,14 +192,7 @@ def test_a_sliding_window_model_is_served_as_full_attention(gemma3_dir):
             assert _settled(c)["cached_tokens"] == 192
             b = _engine(gemma3_dir, [P + SUFFIX], srv.target)
             assert b[0]["cached"] == 192 and b[0]["tokens"] == reference[0]["tokens"]
-            m = c.match_prefix(np.asarray(P[:192], dtype=np.int32))
-            pools = c.map_pools()
-            idx = torch.from_numpy(m.indices.copy())
-            gen = torch.Generator().manual_seed(5)
-            for layer in range(4):
-                for buf in (pools.device[0].k_buffer[layer], pools.device[0].v_buffer[layer]):
-                    buf[idx] = torch.randn(buf[idx].shape, generator=gen) * 3
-            pools.close()
+            _overwrite(c, P[:192], 4)
             bad = _engine(gemma3_dir, [P + SUFFIX], srv.target)
             assert bad[0]["cached"] == 192 and bad[0]["tokens"] != reference[0]["tokens"]
             _settled(c)
