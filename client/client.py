@@ -124,6 +124,39 @@ class CacheClient(_Base):
         return self._call("Free", pb.FreeRequest(session_id=self.session_id,
                                                  indices=codec.slots_bytes(indices))).freed
 
+    def alloc_hybrid(self, num_tokens: Sequence[int], mamba_states: int = 0) -> codec.Allocated:
+        """Hybrid models: FULL slots per size with their SWA twins, and `mamba_states` state slots."""
+        r = self._call("Alloc", pb.AllocRequest(session_id=self.session_id, num_tokens=list(num_tokens),
+                                                mamba_states=mamba_states))
+        return codec.Allocated([codec.slots_array(a.indices) for a in r.allocations],
+                               [codec.slots_array(a.swa_indices) for a in r.allocations], codec.slots_array(r.states),
+                               (r.evicted_tokens, r.swa_evicted_tokens, r.mamba_evicted))
+
+    def free_hybrid(self, indices: Any = (), *, states: Any = (), swa_only: bool = False) -> tuple[int, int]:
+        """Hybrid models: free held FULL slots (with their SWA twins) or, swa_only, just their SWA twins (decode
+        left the window); and held state slots. Returns (slots freed, states freed)."""
+        r = self._call("Free", pb.FreeRequest(session_id=self.session_id, indices=codec.slots_bytes(indices),
+                                              states=codec.slots_bytes(states), swa_only=swa_only))
+        return r.freed, r.freed_states
+
+    def match_hybrid(self, keys: Sequence[Any], *, lock: bool = False, mamba_cow: bool = False,
+                     skip_mamba: bool = False) -> list[codec.HybridMatch]:
+        """Hybrid models: match (and lock); mamba_cow gives each request a state slot of its own, filled with
+        the matched state."""
+        return codec.hybrid_matches(self._call("MatchPrefix", codec.hybrid_match_request(
+            self.session_id, keys, lock, mamba_cow, skip_mamba)))
+
+    def release_swa(self, receipt_ids: Sequence[int]) -> None:
+        """Hybrid models: decode passed the window; release the receipts' SWA (and state) locks, keep FULL's."""
+        self._call("Unlock", pb.UnlockRequest(session_id=self.session_id, receipt_id=list(receipt_ids),
+                                              swa_only=True))
+
+    def evict_hybrid(self, num_tokens: int = 0, swa_tokens: int = 0, mamba_states: int = 0) -> tuple[int, int, int]:
+        """Hybrid models: evict per component; returns (FULL tokens, SWA tokens, states) evicted."""
+        r = self._call("Evict", pb.EvictRequest(num_tokens=num_tokens, swa_tokens=swa_tokens,
+                                                mamba_states=mamba_states))
+        return r.evicted_tokens, r.swa_evicted_tokens, r.mamba_evicted
+
     def insert(self, tokens: Any, indices: Any, *, extra_key: str = "", cache_salt: str = "",
                prev_prefix_len: int = 0, priority: int = 0) -> codec.Inserted:
         return self.insert_batch([dict(tokens=tokens, indices=indices, extra_key=extra_key, cache_salt=cache_salt,
@@ -215,8 +248,11 @@ class CacheClient(_Base):
         if device is not None and len(pools) > 1:
             idx = device if isinstance(device, int) else getattr(device, "index", 0) or 0
             pools = [p for p in pools if p.device_index == idx] or pools[:1]
-        return codec.MappedPools([map_pool(p, info["instance_id"]) for p in pools],
-                                 map_pool(info["host_pool"], info["instance_id"]) if info["host_pool"] else None)
+        iid = info["instance_id"]
+        return codec.MappedPools([map_pool(p, iid) for p in pools],
+                                 map_pool(info["host_pool"], iid) if info["host_pool"] else None,
+                                 map_pool(info["swa_pool"], iid) if info["swa_pool"] else None,
+                                 map_pool(info["state_pool"], iid) if info["state_pool"] else None)
 
 
 class AsyncCacheClient(_Base):

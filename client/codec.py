@@ -88,6 +88,7 @@ class Inserted:
     freed_duplicates: int
     adopted: int
     backup_transfer_ids: tuple = ()
+    mamba_exist: bool = False  # hybrid: the prefix kept its own state; the donated one was freed
 
 
 def match_request(session_id: str, keys: Sequence[Any], lock: bool, extra_key: str, cache_salt: str):
@@ -119,13 +120,64 @@ def insert_request(cls: Any, session_id: str, items: Iterable[dict]):
                   prev_prefix_len=int(it.get("prev_prefix_len", 0)), priority=int(it.get("priority", 0)))
         if finished:
             kw["receipt_id"] = int(it.get("receipt_id", 0))
+        if it.get("swa_evicted_seqlen"):
+            kw["swa_evicted_seqlen"] = int(it["swa_evicted_seqlen"])
+        if it.get("mamba_value") is not None:
+            kw["mamba_value"] = int(it["mamba_value"])
         add(**kw)
     return req
 
 
 def inserted(results) -> list[Inserted]:
-    return [Inserted(r.prefix_len, r.node_id, r.freed_duplicates, r.adopted, tuple(r.backup_transfer_ids))
-            for r in results]
+    return [Inserted(r.prefix_len, r.node_id, r.freed_duplicates, r.adopted, tuple(r.backup_transfer_ids),
+                     r.mamba_exist) for r in results]
+
+
+@dataclass(slots=True)
+class HybridMatch:
+    """MatchPrefix on a hybrid model: the FULL slots of the usable prefix, their SWA twins (-1 where SWA keeps
+    nothing), where the components want the next checkpoint, and the state: the tree's (`mamba_src`, read only)
+    and, with mamba_cow, the request's own copy of it (`mamba_slot`). -1 / None where absent."""
+
+    indices: np.ndarray
+    matched_len: int
+    node_id: int
+    receipt_id: int
+    full_hit_len: int
+    swa_indices: np.ndarray
+    swa_branching_seqlen: Optional[int]
+    mamba_branching_seqlen: Optional[int]
+    mamba_src: int
+    mamba_slot: int
+
+
+def hybrid_match_request(session_id: str, keys: Sequence[Any], lock: bool, mamba_cow: bool, skip_mamba: bool):
+    req = pb.MatchRequest(session_id=session_id)
+    add = req.items.add
+    for k in keys:
+        add(tokens=tokens_bytes(k), lock=lock, mamba_cow=mamba_cow, skip_mamba=skip_mamba)
+    return req
+
+
+def hybrid_matches(resp) -> list[HybridMatch]:
+    out = []
+    for r in resp.results:
+        out.append(HybridMatch(
+            slots_array(r.device_indices), r.matched_len, r.node_id, r.receipt_id, r.full_hit_len,
+            slots_array(r.swa_indices), r.swa_branching_seqlen if r.HasField("swa_branching_seqlen") else None,
+            r.mamba_branching_seqlen if r.HasField("mamba_branching_seqlen") else None,
+            r.mamba_src if r.HasField("mamba_src") else -1, r.mamba_slot if r.HasField("mamba_slot") else -1))
+    return out
+
+
+@dataclass(frozen=True)
+class Allocated:
+    """Alloc on a hybrid model: FULL slots per size, their SWA twins (empty without SWA), the state slots."""
+
+    full: list
+    swa: list
+    states: np.ndarray
+    evicted: tuple  # (FULL tokens, SWA tokens, states) evicted to make room
 
 
 def descriptor(msg) -> PoolDescriptor:
@@ -133,7 +185,8 @@ def descriptor(msg) -> PoolDescriptor:
         instance_id=msg.instance_id, tier=msg.tier, backend=msg.backend, handle=msg.handle,
         size_bytes=msg.size_bytes, dtype=msg.dtype, num_layers=msg.num_layers, kv_heads=msg.kv_heads,
         head_dim=msg.head_dim, page_size=msg.page_size, num_slots=msg.num_slots, mla=msg.mla, layout=msg.layout,
-        buffers=tuple(BufferDesc(b.name, b.offset, tuple(b.shape)) for b in msg.buffers), gpu_uuid=msg.gpu_uuid,
+        buffers=tuple(BufferDesc(b.name, b.offset, tuple(b.shape), b.dtype) for b in msg.buffers),
+        gpu_uuid=msg.gpu_uuid,
         device_index=msg.device_index, pinned=msg.pinned)
 
 
@@ -147,7 +200,13 @@ def info_dict(msg) -> dict[str, Any]:
                 write_policy=msg.write_policy, storage=msg.storage, storage_format=msg.storage_format,
                 metrics_url=msg.metrics_url,
                 device_pools=[descriptor(p) for p in msg.device_pools],
-                host_pool=descriptor(msg.host_pool) if msg.HasField("host_pool") else None)
+                host_pool=descriptor(msg.host_pool) if msg.HasField("host_pool") else None,
+                swa_pool=descriptor(msg.swa_pool) if msg.HasField("swa_pool") else None,
+                state_pool=descriptor(msg.state_pool) if msg.HasField("state_pool") else None,
+                hybrid=dict(sliding_window=msg.hybrid.sliding_window, mamba_chunk=msg.hybrid.mamba_chunk,
+                            swa_capacity_tokens=msg.hybrid.swa_capacity_tokens, mamba_states=msg.hybrid.mamba_states,
+                            full_layers=list(msg.hybrid.full_layers), swa_layers=list(msg.hybrid.swa_layers),
+                            state_layers=list(msg.hybrid.state_layers)) if msg.HasField("hybrid") else None)
 
 
 def channel_options(max_bytes: int = 256 << 20) -> list:
@@ -161,7 +220,9 @@ class MappedPools:
 
     device: list
     host: Optional[Any]
+    swa: Optional[Any] = None  # hybrid models: the sliding-window KV pool
+    state: Optional[Any] = None  # hybrid models: the recurrent-state pool (conv_buffer / temporal_buffer)
 
     def close(self) -> None:
-        for p in self.device + ([self.host] if self.host else []):
+        for p in self.device + [p for p in (self.host, self.swa, self.state) if p is not None]:
             p.close()

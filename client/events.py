@@ -38,8 +38,15 @@ def event_dicts(batch: pb.EventBatch) -> list[dict]:
                             token_ids=list(zip(s.token_ids[::2], s.token_ids[1::2])) if s.bigram
                             else list(s.token_ids), block_size=s.block_size, medium=s.medium,
                             lora_name=s.lora_name or None, cache_salt=s.cache_salt or None))
+            if s.HasField("group_idx"):  # hybrid models: the component, as vLLM names KV cache groups
+                out[-1].update(group_idx=s.group_idx, kv_cache_spec_kind=s.kv_cache_spec_kind,
+                               kv_cache_spec_sliding_window=s.kv_cache_spec_sliding_window
+                               if s.HasField("kv_cache_spec_sliding_window") else None)
         elif kind == "removed":
-            out.append(dict(type="BlockRemoved", block_hashes=list(ev.removed.block_hashes), medium=ev.removed.medium))
+            r = ev.removed
+            out.append(dict(type="BlockRemoved", block_hashes=list(r.block_hashes), medium=r.medium))
+            if r.HasField("group_idx"):
+                out[-1]["group_idx"] = r.group_idx
         else:
             out.append(dict(type="AllBlocksCleared"))
     return out

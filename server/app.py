@@ -109,9 +109,68 @@ def check_gpus(pool_bytes: int, gpus: list[int], free_of=None, what: str = "--nu
                                f"lower {what}")
 
 
+def build_hybrid_core(cfg: Config, instance_id: str, backend: str) -> CacheCore:
+    """A hybrid model's three pools (FULL KV, SWA KV, states), their allocators and the hybrid tree."""
+    from .hybrid_core import HybridCore
+    from .pools.hybrid import StatePool, SwaTranslation
+    from .tree.hybrid import HybridTree
+    lay = cfg._layout
+    if len(cfg.gpus) > 1:
+        raise StartupError(f"{source_of(cfg, 'hybrid_cache')}: a hybrid model on more than one GPU is not supported yet")
+    if lay.state_layers and backend == "cuda":
+        raise StartupError(f"{source_of(cfg, 'hybrid_cache')}: state pools in GPU memory are not built yet "
+                           "(run with --device cpu)")
+    spec = PoolSpec(num_layers=cfg.layers, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, dtype=cfg.dtype,
+                    page_size=cfg.page_size, num_slots=cfg.num_slots, mla=cfg.mla)
+    swa_spec = None
+    if lay.swa_layers:
+        swa_slots = int(cfg.num_slots * cfg.swa_ratio) // cfg.page_size * cfg.page_size
+        if swa_slots < cfg.page_size:
+            raise StartupError(f"{source_of(cfg, 'swa_ratio')}: {cfg.swa_ratio} of {cfg.num_slots} slots is less "
+                               "than one page of SWA KV")
+        swa_spec = PoolSpec(num_layers=len(lay.swa_layers), kv_heads=cfg.kv_heads, head_dim=cfg.head_dim,
+                            dtype=cfg.dtype, page_size=cfg.page_size, num_slots=swa_slots, mla=cfg.mla)
+    state_bytes = cfg.mamba_states * lay.state_bytes() if lay.state_layers else 0
+    if backend == "shm":
+        _check_shm(total_bytes(spec) + (total_bytes(swa_spec) if swa_spec else 0) + state_bytes, 0, cfg)
+    else:
+        check_gpus(total_bytes(spec) + (total_bytes(swa_spec) if swa_spec else 0), cfg.gpus or [0],
+                   what=_device_sources(cfg))
+    device_index = (cfg.gpus or [0])[0]
+    pools: list = []
+    try:
+        pools.append(KVPool(spec, "device", instance_id, backend, device_index=device_index))
+        if swa_spec is not None:
+            pools.append(KVPool(swa_spec, "swa", instance_id, backend, device_index=device_index))
+        if lay.state_layers:
+            pools.append(StatePool(cfg.mamba_states, len(lay.state_layers), lay.state, instance_id))
+        if cfg.prefault:
+            for p in pools:
+                if hasattr(p, "prefault"):
+                    p.prefault()
+        _step("pools")
+    except BaseException:
+        for p in pools:
+            p.close()
+        raise
+    tree = HybridTree(cfg.page_size, window=lay.window if lay.swa_layers else None,
+                      mamba_chunk=cfg.mamba_chunk if lay.state_layers else None,
+                      events=bool(cfg.kv_events or cfg.kv_events_endpoint or cfg.kv_events_replay_endpoint))
+    swa_pool = pools[1] if swa_spec is not None else None
+    state_pool = pools[-1] if lay.state_layers else None
+    return HybridCore(tree, SlotAllocator(cfg.num_slots, cfg.page_size), instance_id, [pools[0]],
+                      swa=SwaTranslation(cfg.num_slots, swa_spec.num_slots, cfg.page_size) if swa_spec else None,
+                      swa_pool=swa_pool, states=SlotAllocator(cfg.mamba_states) if state_pool else None,
+                      state_pool=state_pool, layout=lay, max_batch_tokens=cfg.num_slots)
+
+
 def build_core(cfg: Config, instance_id: str) -> CacheCore:
     """Pools, allocators and tree for a config; a failure leaves no pool behind."""
     backend = pick_backend(cfg.device, source_of(cfg, "device"))
+    if cfg.hybrid_cache:
+        if backend != "cuda":
+            cfg.gpus = []
+        return build_hybrid_core(cfg, instance_id, backend)
     spec = PoolSpec(num_layers=cfg.layers, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, dtype=cfg.dtype,
                     page_size=cfg.page_size, num_slots=cfg.num_slots, mla=cfg.mla)
     if backend != "cuda":
@@ -240,7 +299,7 @@ async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
                 core.host.engine.close()
             if core.events is not None:
                 await core.events.close()
-            for p in core.device_pools + ([core.host_pool] if core.host_pool else []):
+            for p in core.all_pools():
                 p.close()
         for path in sockets:
             if os.path.exists(path):
@@ -389,7 +448,7 @@ async def _run(cfg: Config, core: CacheCore, instance_id: str, sockets: list[str
         await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         if swept:
             log.info("removed %d stale shared-memory segments of dead servers", swept)
-        pools = ",".join(f"{p.backend}:{p.tier}" for p in core.device_pools + ([core.host_pool] if core.host_pool else []))
+        pools = ",".join(f"{p.descriptor.backend}:{p.descriptor.tier}" for p in core.all_pools())
         log.info("radixd %s instance=%s pools=%s metrics=http://%s/metrics %s", __import__("radixd.server").server.__version__,
                  instance_id, pools, metrics_at, cfg.summary())
         host_tokens = core.host_alloc.capacity if core.host_alloc is not None else 0

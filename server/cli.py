@@ -65,6 +65,12 @@ SERVE_FLAGS = [
     ("--model", dict(help="a bundled model preset for the KV geometry (e.g. llama-3.1-8b, qwen2.5-7b, deepseek-v3)")),
     ("--tp-size", dict(type=int, help="the engine's tensor-parallel size (divides the model's KV heads)")),
     ("--device-mem", dict(help="device pool size in bytes, e.g. 40GiB (instead of --num-slots)")),
+    ("--hybrid-cache", dict(action="store_const", const=True,
+                            help="hold a hybrid model's sliding-window KV and Mamba / linear-attention states in "
+                                 "pools of their own (needs --model-config)")),
+    ("--swa-ratio", dict(type=float, help="SWA pool slots = R x device slots (default 0.8)")),
+    ("--mamba-states", dict(type=int, help="state slots for Mamba / linear-attention layers (default 256)")),
+    ("--mamba-chunk", dict(type=int, help="tokens between state checkpoints (default: the config's chunk_size)")),
 ]
 
 
@@ -118,7 +124,8 @@ def cmd_stats(args) -> None:
 def cmd_info(args) -> None:
     info = _client(args).info()
     info["device_pools"] = [p.to_dict() for p in info["device_pools"]]
-    info["host_pool"] = info["host_pool"].to_dict() if info["host_pool"] else None
+    for name in ("host_pool", "swa_pool", "state_pool"):
+        info[name] = info[name].to_dict() if info[name] else None
     print(json.dumps(info, indent=2))
 
 

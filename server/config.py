@@ -61,6 +61,10 @@ class Config:
     model: Optional[str] = None  # a bundled preset (server/models.py) instead of --model-config
     device_mem: Optional[str] = None  # device pool size in bytes ("40GiB"); the slot count is derived
     tp_size: int = 1  # tensor-parallel size of the engine: divides the model's KV heads
+    hybrid_cache: bool = False  # a hybrid model's SWA KV and recurrent states in their own pools (hybrid tree)
+    swa_ratio: float = 0.8  # SWA pool slots = R x FULL slots (SGLang's swa_full_tokens_ratio)
+    mamba_states: int = 256  # state slots in the state pool (SGLang's max_mamba_cache_size)
+    mamba_chunk: int = 0  # where a state checkpoint may sit (0: the config's chunk_size, else 64)
     config: Optional[str] = None
 
     def summary(self) -> str:
@@ -138,6 +142,13 @@ SCHEMA: dict[str, Setting] = {
     "model": Setting("str", "a bundled model preset for the KV geometry", optional=True),
     "device_mem": Setting("size", "device pool size in bytes, e.g. 40GiB (instead of num_slots)", optional=True),
     "tp_size": Setting("int", "the engine's tensor-parallel size (divides the model's KV heads)", minimum=1),
+    "hybrid_cache": Setting("bool", "hold a hybrid model's sliding-window KV and recurrent states in their own "
+                            "pools (needs --model-config; without it, SWA layers are cached as full attention)"),
+    "swa_ratio": Setting("float", "SWA pool slots = R x device slots (with --hybrid-cache)", minimum=0.0),
+    "mamba_states": Setting("int", "state slots for Mamba / linear-attention layers (with --hybrid-cache)",
+                            minimum=1),
+    "mamba_chunk": Setting("int", "tokens between state checkpoints (0: the config's chunk_size, else 64)",
+                           minimum=0),
     "config": Setting("str", "TOML file of settings", optional=True),
 }
 
@@ -299,6 +310,19 @@ def _check(cfg: Config, origin: dict[str, str]) -> None:
             raise ConfigError(f"{src('host_mem')}: {e}") from None
 
 
+def _check_hybrid(cfg: Config, origin: dict[str, str]) -> None:
+    """What the hybrid cache does not have yet is refused at start, in one line."""
+    src = origin["hybrid_cache"]
+    for name, on in (("host_slots", cfg.host_slots), ("host_mem", cfg.host_mem), ("host_ratio", cfg.host_ratio),
+                     ("storage", cfg.storage), ("bigram", cfg.bigram)):
+        if on:
+            raise ConfigError(f"{src} and {origin[name]}: a hybrid model has no host or L3 tier and no bigram "
+                              "keys yet")
+    lay = cfg._layout
+    if lay.swa_layers and not cfg.swa_ratio:
+        raise ConfigError(f"{origin.get('swa_ratio', 'swa_ratio')}: 0 leaves the sliding-window layers no pool")
+
+
 def _needs(source: str, *modules: tuple[str, str], extra: str) -> None:
     """A setting that needs an optional package: one line naming it and the extra that installs it."""
     import importlib
@@ -346,9 +370,14 @@ def load(flags: dict[str, Any], flag_names: Optional[dict[str, str]] = None) -> 
     _ranges(cfg, origin)  # first: what follows divides by, or sizes with, these
     if cfg.model_config and cfg.model:
         raise ConfigError(f"{origin['model']} and {origin['model_config']}: give one of --model, --model-config")
+    if cfg.hybrid_cache and not cfg.model_config:
+        raise ConfigError(f"{origin['hybrid_cache']}: needs --model-config (the hybrid layout comes from the "
+                          "model's config.json)")
     if cfg.model_config or cfg.model:
         _apply_model(cfg, origin)
         _ranges(cfg, origin)
+    if cfg.hybrid_cache:
+        _check_hybrid(cfg, origin)
     if cfg.device_mem:
         _size_device(cfg, origin)
     _check(cfg, origin)
@@ -407,7 +436,14 @@ def _size_device(cfg: Config, origin: dict[str, str]) -> None:
         raise ConfigError(f"{src}: {e}") from None
     if cfg.dtype not in _DTYPE_NAMES or cfg.page_size < 1:
         return  # _check reports those
-    slots = budget // slot_bytes_of(cfg)
+    per_token = slot_bytes_of(cfg)
+    lay = getattr(cfg, "_layout", None)
+    if cfg.hybrid_cache and lay is not None:  # the states first, then FULL tokens with their SWA share
+        from .pools.spec import DTYPES
+        budget -= cfg.mamba_states * lay.state_bytes() if lay.state_layers else 0
+        per_token += int(cfg.swa_ratio * len(lay.swa_layers) * (1 if cfg.mla else 2) * cfg.kv_heads *
+                         cfg.head_dim * DTYPES[cfg.dtype][0])
+    slots = max(budget, 0) // per_token
     slots -= slots % cfg.page_size
     if slots < cfg.page_size:
         raise ConfigError(f"{src}: {cfg.device_mem} holds less than one page ({slot_bytes_of(cfg) * cfg.page_size} "
@@ -423,8 +459,9 @@ _HF_DTYPES = {"float16": "float16", "half": "float16", "bfloat16": "bfloat16", "
               "float": "float32"}
 
 
-def model_geometry(hf: dict[str, Any], tp_size: int = 1) -> dict[str, Any]:
-    """KV geometry of a Hugging Face model config: layers, KV heads per TP rank, head dim, dtype, MLA."""
+def model_geometry(hf: dict[str, Any], tp_size: int = 1, hybrid: bool = False) -> dict[str, Any]:
+    """KV geometry of a Hugging Face model config: layers, KV heads per TP rank, head dim, dtype, MLA. With
+    `hybrid`, `layers` counts the full-attention layers only (the others get pools of their own)."""
     text = hf.get("text_config") or hf  # multimodal configs nest the language model's
     layers = text["num_hidden_layers"]
     dtype = _HF_DTYPES.get(str(text.get("torch_dtype") or text.get("dtype") or hf.get("torch_dtype") or "bfloat16")
@@ -434,10 +471,15 @@ def model_geometry(hf: dict[str, Any], tp_size: int = 1) -> dict[str, Any]:
                     dtype=dtype, mla=True)
     from .layouts import LayoutError, model_layout
     layout = model_layout(hf, tp_size)
-    if layout.state_layers:
-        raise LayoutError(f"a hybrid model ({layout.describe()}): the radixd service cannot hold Mamba / "
-                          "linear-attention states yet (neither engine runs such a model without them)")
-    if layout.swa_layers:  # cached as full attention, as vLLM does with a connector without hybrid support
+    if hybrid:
+        if not layout.hybrid:
+            raise LayoutError(f"--hybrid-cache, but the model has no sliding-window or state layers "
+                              f"({layout.describe()})")
+        layers = len(layout.full_layers)
+    elif layout.state_layers:
+        raise LayoutError(f"a hybrid model ({layout.describe()}): its Mamba / linear-attention states need "
+                          "--hybrid-cache")
+    elif layout.swa_layers:  # cached as full attention, as vLLM does with a connector without hybrid support
         layers = len(layout.full_layers) + len(layout.swa_layers)
     heads = text["num_attention_heads"]
     kv = text.get("num_key_value_heads") or heads
@@ -472,7 +514,14 @@ def _apply_model(cfg: Config, origin: dict[str, str]) -> None:
             hf = json.load(fh)
         if not isinstance(hf, dict):
             raise ValueError(f"the file holds a JSON {type(hf).__name__}, not a config object")
-        geo = model_geometry(hf, cfg.tp_size)
+        geo = model_geometry(hf, cfg.tp_size, cfg.hybrid_cache)
+        if cfg.hybrid_cache:
+            from .layouts import model_layout
+            cfg._layout = model_layout(hf, cfg.tp_size)
+            text = hf.get("text_config") or hf
+            if not cfg.mamba_chunk and cfg._layout.state_layers:
+                chunk = text.get("chunk_size") or 64
+                cfg.mamba_chunk = chunk if isinstance(chunk, int) and chunk > 0 else 64
     except OSError as e:
         raise ConfigError(f"{src}: {cfg.model_config}: {e.strerror or e}") from None
     except LayoutError as e:

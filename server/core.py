@@ -32,6 +32,8 @@ class Item:
     priority: int = 0
     receipt: int = 0
     mem_quota: Optional[int] = None
+    swa_evicted_seqlen: int = 0  # hybrid models only (hybrid_core.py)
+    mamba_value: Optional[int] = None
 
 
 @dataclass
@@ -41,6 +43,7 @@ class InsertOutcome:
     freed_duplicates: int
     adopted: int
     backups: tuple[int, ...] = ()  # transfer ids of the backups this insert started
+    mamba_exist: bool = False  # hybrid: the prefix kept its own state, the donated one was freed
 
 
 def decode_tokens(raw: bytes, what: str = "tokens") -> np.ndarray:
@@ -114,6 +117,10 @@ class CacheCore:
             s = self.sessions.find(session_id)
             if s is not None:
                 self.sessions.take_receipt(s, op)
+
+    def all_pools(self) -> list:
+        """Every pool this core owns (closed at shutdown)."""
+        return self.device_pools + ([self.host_pool] if self.host_pool else [])
 
     def attach_events(self, hub) -> None:
         self.events = hub

@@ -90,9 +90,16 @@ def to_proto(seq: int, ts: float, events: list[Event]) -> pb.EventBatch:
                                       bigram=pairs)
             if ev.parent_block_hash is not None:
                 msg.parent_block_hash = ev.parent_block_hash
+            if ev.group_idx is not None:
+                msg.group_idx, msg.kv_cache_spec_kind = ev.group_idx, ev.kv_cache_spec_kind or ""
+                if ev.kv_cache_spec_sliding_window is not None:
+                    msg.kv_cache_spec_sliding_window = ev.kv_cache_spec_sliding_window
             out.append(pb.KvEvent(stored=msg))
         elif isinstance(ev, BlockRemoved):
-            out.append(pb.KvEvent(removed=pb.BlockRemovedEvent(block_hashes=ev.block_hashes, medium=ev.medium)))
+            msg = pb.BlockRemovedEvent(block_hashes=ev.block_hashes, medium=ev.medium)
+            if ev.group_idx is not None:
+                msg.group_idx = ev.group_idx
+            out.append(pb.KvEvent(removed=msg))
         else:
             out.append(pb.KvEvent(cleared=pb.AllBlocksClearedEvent()))
     return pb.EventBatch(seq=seq, ts=ts, events=out)
@@ -119,9 +126,9 @@ def python_payload(ts: float, events: list[Event]) -> bytes:
     return enc.encode(batch(ts, out))
 
 
-def native_payload(raw: RawEvents, ts: float) -> Optional[bytes]:
+def native_payload(raw, ts: float) -> Optional[bytes]:
     """The batch's msgpack bytes, hashing what the records left unhashed (natively; None without it)."""
-    if _native_encode is None:
+    if _native_encode is None or not isinstance(raw, RawEvents):
         return None
     return _native_encode(raw.records, ts, raw.page_size, np.dtype(raw.key_dtype).itemsize, raw.bigram)
 

@@ -87,6 +87,8 @@ class CacheCollector:
         cached.add_metric(["protected"], t.protected_size)
         yield cached
         yield GaugeMetricFamily("radixd_tree_nodes", "Radix tree nodes", value=t.num_nodes)
+        if getattr(core, "hybrid", False):
+            yield from _component_families(core)
         yield GaugeMetricFamily("radixd_sessions", "Attached client sessions", value=len(core.sessions))
         yield GaugeMetricFamily("radixd_active_receipts", "Lock receipts not yet released", value=t.num_receipts)
         yield GaugeMetricFamily("radixd_oldest_receipt_age_seconds", "How long the oldest live lock receipt has "
@@ -142,6 +144,22 @@ class CacheCollector:
             lost.add_metric(["queue_bound"], hub.dropped)
             lost.add_metric(["build_failed"], hub.failed)
             yield lost
+
+
+def _component_families(core):
+    """A hybrid model's SWA KV and state pools, by state, and the tree's share of each (evictable, protected)."""
+    st = core.stats()
+    pool = GaugeMetricFamily("radixd_component_slots", "Hybrid models: SWA KV slots and state slots by state",
+                             labels=["component", "state"])
+    if core.swa is not None:
+        for state, key in (("free", "swa_free_tokens"), ("held", "swa_held_tokens"),
+                           ("evictable", "swa_evictable_tokens"), ("protected", "swa_protected_tokens")):
+            pool.add_metric(["swa", state], st[key])
+    if core.states is not None:
+        for state, key in (("free", "mamba_free"), ("held", "mamba_held"), ("evictable", "mamba_evictable"),
+                           ("protected", "mamba_protected")):
+            pool.add_metric(["mamba", state], st[key])
+    yield pool
 
 
 class Metrics:

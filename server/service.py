@@ -14,7 +14,7 @@ from radixd.proto import cache_pb2_grpc as pb_grpc
 
 from . import __version__
 from .core import CacheCore, Item, decode_slots, decode_tokens, token_key
-from .errors import Conflict, NotFound, ServiceError
+from .errors import BadRequest, Conflict, NotFound, ServiceError
 from .metrics import Metrics
 from .pools.allocator import SlotError
 from .tree.errors import TreeError
@@ -30,7 +30,11 @@ def _slots(arr: np.ndarray) -> bytes:
 
 def _inserted(r) -> pb.InsertResult:
     return pb.InsertResult(prefix_len=r.prefix_len, node_id=r.node_id, freed_duplicates=r.freed_duplicates,
-                           adopted=r.adopted, backup_transfer_ids=r.backups)
+                           adopted=r.adopted, backup_transfer_ids=r.backups, mamba_exist=r.mamba_exist)
+
+
+def _plain_only(what: str) -> None:
+    raise BadRequest(f"{what}: this server holds a plain model (start it with --hybrid-cache for a hybrid one)")
 
 
 def descriptor_msg(d) -> pb.PoolDescriptor:
@@ -38,8 +42,8 @@ def descriptor_msg(d) -> pb.PoolDescriptor:
         instance_id=d.instance_id, tier=d.tier, backend=d.backend, handle=d.handle, size_bytes=d.size_bytes,
         dtype=d.dtype, num_layers=d.num_layers, kv_heads=d.kv_heads, head_dim=d.head_dim, page_size=d.page_size,
         num_slots=d.num_slots, mla=d.mla, layout=d.layout, gpu_uuid=d.gpu_uuid, device_index=d.device_index,
-        pinned=d.pinned, buffers=[pb.BufferDescriptor(name=b.name, offset=b.offset, shape=list(b.shape))
-                                  for b in d.buffers])
+        pinned=d.pinned, buffers=[pb.BufferDescriptor(name=b.name, offset=b.offset, shape=list(b.shape),
+                                                      dtype=b.dtype) for b in d.buffers])
 
 
 def unary(method):
@@ -83,14 +87,20 @@ class RadixCacheService(pb_grpc.RadixCacheServicer):
         self.metrics = metrics
         self.stopping = stopping
         self.policy = eviction_policy
+        self.hybrid = getattr(core, "hybrid", False)
 
     def _items(self, items, with_receipt: bool) -> list[Item]:
         cap = self.core.alloc.capacity
         out = []
         for i, it in enumerate(items):
-            out.append(Item(decode_tokens(it.tokens, f"item {i} tokens"),
-                            decode_slots(it.indices, cap, f"item {i} indices"), _ns(it),
-                            it.prev_prefix_len, it.priority, it.receipt_id if with_receipt else 0))
+            item = Item(decode_tokens(it.tokens, f"item {i} tokens"), decode_slots(it.indices, cap, f"item {i} indices"),
+                        _ns(it), it.prev_prefix_len, it.priority, it.receipt_id if with_receipt else 0)
+            if it.swa_evicted_seqlen or it.HasField("mamba_value"):
+                if not self.hybrid:
+                    _plain_only(f"item {i} swa_evicted_seqlen / mamba_value")
+                item.swa_evicted_seqlen = it.swa_evicted_seqlen
+                item.mamba_value = it.mamba_value if it.HasField("mamba_value") else None
+            out.append(item)
         return out
 
     @unary("GetInfo")
@@ -104,6 +114,18 @@ class RadixCacheService(pb_grpc.RadixCacheServicer):
                              metrics_url=f"http://{self.metrics.address}/metrics" if self.metrics.address else "")
         if c.host_pool is not None:
             info.host_pool.CopyFrom(descriptor_msg(c.host_pool.descriptor))
+        if self.hybrid:
+            lay = c.layout
+            h = info.hybrid
+            h.full_layers.extend(lay.full_layers)
+            if c.swa is not None:
+                h.sliding_window, h.swa_capacity_tokens = lay.window, c.swa.swa_capacity
+                h.swa_layers.extend(lay.swa_layers)
+                info.swa_pool.CopyFrom(descriptor_msg(c.swa_pool.descriptor))
+            if c.states is not None:
+                h.mamba_chunk, h.mamba_states = c.tree.mamba.chunk, c.states.capacity
+                h.state_layers.extend(lay.state_layers)
+                info.state_pool.CopyFrom(descriptor_msg(c.state_pool.descriptor))
         return info
 
     async def Attach(self, request, context):
@@ -138,6 +160,16 @@ class RadixCacheService(pb_grpc.RadixCacheServicer):
     @unary("Alloc")
     async def Alloc(self, request):
         s = self.core.session(request.session_id)
+        if self.hybrid:
+            full, twins, states, (ev, ev_swa, ev_m) = await self.core.alloc_slots(s, list(request.num_tokens),
+                                                                                 request.mamba_states)
+            resp = pb.AllocResponse(evicted_tokens=ev, swa_evicted_tokens=ev_swa, mamba_evicted=ev_m,
+                                    states=_slots(states))
+            for i, a in enumerate(full):
+                resp.allocations.add(indices=_slots(a), swa_indices=_slots(twins[i]) if twins else b"")
+            return resp
+        if request.mamba_states:
+            _plain_only("mamba_states")
         allocations, evicted = await self.core.alloc_slots(s, list(request.num_tokens))
         resp = pb.AllocResponse(evicted_tokens=evicted)
         for a in allocations:
@@ -147,7 +179,14 @@ class RadixCacheService(pb_grpc.RadixCacheServicer):
     @unary("Free")
     def Free(self, request):
         s = self.core.session(request.session_id)
-        return pb.FreeResponse(freed=self.core.free_slots(s, decode_slots(request.indices, self.core.alloc.capacity)))
+        slots = decode_slots(request.indices, self.core.alloc.capacity)
+        if self.hybrid:
+            states = decode_slots(request.states, self.core.states_capacity or 1, "states")
+            freed, n = self.core.free_slots(s, slots, states, request.swa_only)
+            return pb.FreeResponse(freed=freed, freed_states=n)
+        if request.states or request.swa_only:
+            _plain_only("states / swa_only")
+        return pb.FreeResponse(freed=self.core.free_slots(s, slots))
 
     @unary("Insert")
     def Insert(self, request):
@@ -155,9 +194,32 @@ class RadixCacheService(pb_grpc.RadixCacheServicer):
         res = self.core.insert(s, self._items(request.items, False))
         return pb.InsertResponse(results=[_inserted(r) for r in res])
 
+    def _match_hybrid(self, request, s) -> pb.MatchResponse:
+        core = self.core
+        items = [(token_key(it.tokens, i), (it.extra_key, it.cache_salt), it.lock, it.mamba_cow, it.skip_mamba)
+                 for i, it in enumerate(request.items)]
+        resp = pb.MatchResponse()
+        add = resp.results.add
+        for m, r, slot in core.match_hybrid(s, items):
+            res = add(device_indices=_slots(m.indices), matched_len=m.matched_len, node_id=m.node_id, receipt_id=r,
+                      best_node_id=m.node_id, full_hit_len=m.full_hit_len,
+                      swa_indices=_slots(core.swa_twins(m.indices)) if core.swa is not None else b"")
+            if m.swa_branching_seqlen is not None:
+                res.swa_branching_seqlen = m.swa_branching_seqlen
+            if m.mamba_branching_seqlen is not None:
+                res.mamba_branching_seqlen = m.mamba_branching_seqlen
+            if core.states is not None:
+                if m.mamba_src >= 0:
+                    res.mamba_src = m.mamba_src
+                if slot >= 0:
+                    res.mamba_slot = slot
+        return resp
+
     @unary("MatchPrefix")
     async def MatchPrefix(self, request):
         s = self.core.session(request.session_id) if request.session_id else None
+        if self.hybrid:
+            return self._match_hybrid(request, s)
         resp = pb.MatchResponse()
         add = resp.results.add  # filled in place: a list of messages would be copied once more, slots and all
         if self.core.storage is None:
@@ -187,7 +249,12 @@ class RadixCacheService(pb_grpc.RadixCacheServicer):
     @unary("Unlock")
     def Unlock(self, request):
         s = self.core.session(request.session_id)
-        self.core.unlock(s, list(request.receipt_id))
+        if request.swa_only:
+            if not self.hybrid:
+                _plain_only("swa_only")
+            self.core.unlock(s, list(request.receipt_id), swa_only=True)
+        else:
+            self.core.unlock(s, list(request.receipt_id))
         return pb.UnlockResponse()
 
     @unary("CacheFinished")
@@ -202,11 +269,19 @@ class RadixCacheService(pb_grpc.RadixCacheServicer):
         resp = pb.CacheUnfinishedResponse()
         for r, m, receipt in self.core.cache_unfinished(s, self._items(request.items, True)):
             resp.results.add(insert=_inserted(r), device_indices=_slots(m.indices), matched_len=m.matched_len,
-                             node_id=m.node_id, receipt_id=receipt)
+                             node_id=m.node_id, receipt_id=receipt,
+                             swa_indices=_slots(self.core.swa_twins(m.indices)) if self.hybrid else b"")
         return resp
 
     @unary("Evict")
     async def Evict(self, request):
+        if self.hybrid:
+            dev, host, swa, mamba = await self.core.evict(request.num_tokens, request.host_tokens, request.swa_tokens,
+                                                          request.mamba_states)
+            return pb.EvictResponse(evicted_tokens=dev, host_evicted_tokens=host, swa_evicted_tokens=swa,
+                                    mamba_evicted=mamba)
+        if request.swa_tokens or request.mamba_states:
+            _plain_only("swa_tokens / mamba_states")
         dev, host = await self.core.evict(request.num_tokens, request.host_tokens)
         return pb.EvictResponse(evicted_tokens=dev, host_evicted_tokens=host)
 

@@ -97,6 +97,14 @@ def render(info: dict, prev: Sample, cur: Sample):
         pools.add_row("host", str(s["host_capacity_tokens"]), str(s["host_free_tokens"]),
                       str(s["host_cached_tokens"]), str(s["host_evictable_tokens"]), str(s["host_protected_tokens"]),
                       "-", str(s["host_in_flight_tokens"]))
+    if s.get("swa_capacity_tokens"):  # hybrid models: the SWA KV pool and the state pool (in states)
+        cached = s["swa_evictable_tokens"] + s["swa_protected_tokens"]
+        pools.add_row("swa", str(s["swa_capacity_tokens"]), str(s["swa_free_tokens"]), str(cached),
+                      str(s["swa_evictable_tokens"]), str(s["swa_protected_tokens"]), str(s["swa_held_tokens"]), "-")
+    if s.get("mamba_capacity"):
+        cached = s["mamba_evictable"] + s["mamba_protected"]
+        pools.add_row("states", str(s["mamba_capacity"]), str(s["mamba_free"]), str(cached),
+                      str(s["mamba_evictable"]), str(s["mamba_protected"]), str(s["mamba_held"]), "-")
     rates = Table.grid(padding=(0, 3))
     rates.add_row(f"evicted {(s['evicted_tokens_total'] - p['evicted_tokens_total']) / dt:,.0f} tok/s",
                   f"host evicted {(s['host_evicted_tokens_total'] - p['host_evicted_tokens_total']) / dt:,.0f} tok/s",

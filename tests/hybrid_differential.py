@@ -149,7 +149,7 @@ def run(config: str, page: int, core: str, seed: int, steps: int, cap: int = -1)
     free_mamba = list(range(1, MAMBA_CAP + 1))
     held: list[tuple] = []  # (their lock, my receipt, released swa)
     prefixes = [[rnd.randrange(1, 50) for _ in range(rnd.randrange(1, 12) * page)] for _ in range(6)]
-    counts = {"match": 0, "insert": 0, "evict": 0, "release_swa": 0, "unlock": 0, "exist": 0}
+    counts = {"match": 0, "insert": 0, "evict": 0, "release_swa": 0, "unlock": 0, "exist": 0, "blind": 0}
 
     def agree(what: str, a, b) -> None:
         if a != b:
@@ -252,6 +252,35 @@ def run(config: str, page: int, core: str, seed: int, steps: int, cap: int = -1)
             held.append((lk, rid, released))
             if len(held) > 3 or rnd.random() < 0.6:
                 unlock_one()
+        elif op < 0.75:  # an insert with no match before it (a stale or skipped lookup): its key often ends or
+            # turns inside an edge the tree has now, which no match has split
+            toks = rnd.choice(prefixes)[:rnd.randrange(1, 4) * page] + [rnd.randrange(1, 50) for _ in range(
+                rnd.choice((0, 0, page)))]
+            total = len(toks) - len(toks) % page
+            if total > len(free_full):
+                evict(full=total - len(free_full))
+            mval = -1
+            if has_mamba and not free_mamba:
+                evict(mamba=1)
+            if total > len(free_full) or (has_mamba and not free_mamba):
+                continue
+            new = [free_full.pop() for _ in range(total)]
+            if has_mamba:
+                mval = free_mamba.pop()
+            params = InsertParams(key=RadixKey(array("q", toks[:total])), value=torch.tensor(new, dtype=torch.int64),
+                                  prev_prefix_len=0,
+                                  mamba_value=torch.tensor([mval], dtype=torch.int64) if has_mamba else None)
+            if has_swa:
+                params.set_evicted_seqlen(CT.SWA, 0)
+            ir = cache.insert(params)
+            mi = mine.insert(toks[:total], np.array(new, dtype=np.int64), mamba_value=mval)
+            counts["blind"] += 1
+            agree("blind insert prefix", ir.prefix_len, mi.prefix_len)
+            if has_mamba:
+                agree("blind mamba_exist", bool(ir.mamba_exist), mi.mamba_exist)
+                if mi.mamba_exist:
+                    free_mamba.append(mval)
+            frees_agree("blind insert", mi.frees)
         elif op < 0.78 and held:
             unlock_one()
         elif op < 0.86:

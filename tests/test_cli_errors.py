@@ -9,6 +9,7 @@ import sys
 import pytest
 
 CLI = [sys.executable, "-m", "radixd.server.cli"]
+_CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 
 BAD_SERVE = [  # (argv after `serve`, extra environment, text the one line must contain)
     (["--num-slots", "0"], {}, "--num-slots"),
@@ -43,6 +44,14 @@ BAD_SERVE = [  # (argv after `serve`, extra environment, text the one line must 
     (["--model-config", "/nonexistent/config.json"], {}, "--model-config"),
     (["--model-config", "/dev/null"], {}, "--model-config"),
     (["--tp-size", "0"], {}, "--tp-size"),
+    (["--hybrid-cache"], {}, "needs --model-config"),
+    (["--hybrid-cache", "--model-config", f"{_CONFIGS}/gemma3-text.json", "--host-slots", "64"], {}, "--host-slots"),
+    (["--hybrid-cache", "--model-config", f"{_CONFIGS}/nemotron-h-4b.json", "--storage", "file:///tmp/l3"], {},
+     "--storage"),
+    (["--hybrid-cache", "--model-config", f"{_CONFIGS}/gemma3-text.json", "--swa-ratio", "0"], {}, "--swa-ratio"),
+    (["--hybrid-cache", "--model-config", f"{_CONFIGS}/nemotron-h-4b.json", "--mamba-states", "0"], {},
+     "--mamba-states"),
+    (["--model-config", f"{_CONFIGS}/nemotron-h-4b.json"], {}, "need --hybrid-cache"),
 ]
 
 

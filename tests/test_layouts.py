@@ -67,7 +67,7 @@ def test_sliding_window_layers_are_sized_as_full_attention_as_vllm_caches_them_w
 
 
 @pytest.mark.parametrize("name", ["qwen3-next", "nemotron-h-4b", "jamba"])
-def test_serve_refuses_a_state_space_hybrid_in_one_line(name):
+def test_serve_refuses_a_state_space_hybrid_without_hybrid_cache_in_one_line(name):
     r = subprocess.run([sys.executable, "-m", "radixd.server.cli", "serve", "--model-config",
                         str(CONFIGS / f"{name}.json")], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2, r.stderr

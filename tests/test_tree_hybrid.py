@@ -39,7 +39,7 @@ def test_hybrid_tree_agrees_with_sglangs_unified_cache_op_by_op(config, page, co
     line = r.stdout.strip().splitlines()[-1]
     assert line.startswith(f"ok {config} page={page} core={core}"), line
     counts = eval(line.split("steps=10000 ")[1].split("}")[0] + "}")  # noqa: S307 (our own printed dict)
-    assert counts["insert"] > 5000 and counts["evict"] > 1000, counts
+    assert counts["insert"] > 5000 and counts["evict"] > 1000 and counts["blind"] > 200, counts
     if config != "swa":
         assert counts["exist"] > 5, counts  # donated states refused because the end node had one
     if config != "mamba":
@@ -211,3 +211,22 @@ def test_bad_input_is_refused_and_changes_nothing():
         t.release_swa(rid)
     t.unlock(rid)
     assert t.sizes()["full"] == (16, 0) and check_hybrid(t) == []
+
+
+def test_an_insert_that_ends_or_turns_inside_an_edge_continues_on_the_prefix():
+    """No match split the edge first (another request cached the longer path meanwhile): the donated state
+    sums up the inserted prefix, so it sits where that prefix ends, and a turn hangs off the split point."""
+    t = HybridTree(4, window=8, mamba_chunk=4)
+    long = list(range(1, 17))
+    t.insert(long, np.arange(16), mamba_value=1)
+    r = t.insert(long[:8], np.arange(100, 108), mamba_value=2)
+    assert r.prefix_len == 8 and not r.mamba_exist
+    m = t.match_prefix(long[:8])
+    assert (m.matched_len, m.mamba_src) == (8, 2) and m.indices.tolist() == list(range(8))
+    assert t.match_prefix(long).mamba_src == 1
+    turn = long[:4] + [99, 98, 97, 96]
+    r = t.insert(turn, np.arange(200, 208), mamba_value=3)
+    assert r.prefix_len == 4
+    m = t.match_prefix(turn)
+    assert (m.matched_len, m.mamba_src) == (8, 3) and m.indices.tolist() == [0, 1, 2, 3, 204, 205, 206, 207]
+    assert check_hybrid(t) == []

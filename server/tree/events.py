@@ -97,6 +97,21 @@ class EventQueue:
         return out, lost
 
 
+class ReadyEvents:
+    """Events a tree hashed already (the hybrid tree's), published by the hub like raw records."""
+
+    __slots__ = ("events",)
+
+    def __init__(self, events: list):
+        self.events = events
+
+    def __len__(self) -> int:
+        return len(self.events)
+
+    def materialize(self) -> list:
+        return self.events
+
+
 class RawEvents:
     """Records taken from the tree, turned into events (hashing the pages) by `materialize()`, anywhere.
 

@@ -35,8 +35,10 @@ import numpy as np
 
 from . import hashes as _hashes
 from .components import FULL, MAMBA, SWA, MambaComponent, SwaComponent
-from .errors import InvalidInput, StaleHandle, UnknownReceipt
-from .events import GPU, REMOVED, STORED, BlockRemoved, BlockStored, Coalescer, Event
+from .errors import InvalidInput, LocksHeld, StaleHandle, UnknownReceipt
+from .events import (CLEARED, GPU, REMOVED, STORED, AllBlocksCleared, BlockRemoved, BlockStored, Coalescer, Event,
+                     ReadyEvents)
+from .results import TreeCounters
 from .tree import TokenInput, as_int32
 
 _EMPTY64 = np.zeros(0, dtype=np.int64)
@@ -151,6 +153,8 @@ class HybridTree:
             raise ValueError("page_size must be >= 1")
         self.page_size = page_size
         self._pb = page_size * 4
+        self._params = (page_size, window, mamba_chunk, events, mamba_max_states_per_path)
+        self.counters = TreeCounters()
         self._clock = 0.0
         self._ids = itertools.count(1)
         self._rids = itertools.count(1)
@@ -285,6 +289,8 @@ class HybridTree:
         else:
             indices = np.concatenate([nd.full for nd in path[:best_n]]) if best_n else _EMPTY64
         matched = len(indices)
+        self.counters.queried_tokens += len(kb) >> 2
+        self.counters.hit_tokens += matched
         out = HybridMatch(indices, matched, best.id, full_hit)
         if self.swa is not None:
             aligned = full_hit - full_hit % self.page_size
@@ -327,7 +333,7 @@ class HybridTree:
             child.atime = self._clock_tick()
             plen = len(child.key) >> 2 if kb.startswith(child.key, off) else self._common(child.key, kb, off)
             if plen * 4 < len(child.key):
-                self._split(child, plen)
+                child = self._split(child, plen)  # continue on the prefix: the suffix keeps the old id
             vslice = values[total:total + plen]
             consumed = plen
             for comp in self.aux:
@@ -348,6 +354,7 @@ class HybridTree:
             target = self._new_node(node, kb[off:], values[total:].copy())
             node.children[kb[off:off + pb]] = target
             self.evictable[FULL] += n - total
+            self.counters.inserted_tokens += n - total
             if self._ev is not None:
                 self._record(STORED, FULL, target)
             self._update_leaf(target)
@@ -469,6 +476,7 @@ class HybridTree:
         for comp, want in ((self.swa, swa), (self.mamba, mamba)):
             if comp is not None and want > tracker[comp.name]:
                 comp.evict_walk(want, tracker, frees)
+        self.counters.evicted_tokens_device += tracker[FULL]
         return HybridEvicted(tracker[FULL], tracker[SWA], tracker[MAMBA], frees)
 
     # ------------------------------------------------------------- events
@@ -515,6 +523,9 @@ class HybridTree:
         kinds = {FULL: "full_attention", SWA: "sliding_window", MAMBA: "mamba"}
         window = self.swa.window if self.swa is not None else None
         for kind, comp, dig, parent, key in recs:
+            if kind == CLEARED:
+                out.push(AllBlocksCleared())
+                continue
             hashes = _hashes.block_hashes(dig)
             group = self.groups[comp]
             if kind == STORED:
@@ -547,3 +558,77 @@ class HybridTree:
                 mamba.append(node.mamba)
         cat = HybridFrees._cat
         return {FULL: cat(full), SWA: cat(swa), MAMBA: np.array(mamba, dtype=np.int64)}
+
+    # ------------------------------------------------------------- service views
+    @property
+    def events_enabled(self) -> bool:
+        return self._ev is not None
+
+    def take_records(self) -> tuple[list, int]:
+        """The event hub's feed: events since the last call (hashed here), none lost."""
+        return self.take_events(), 0
+
+    raw_events = staticmethod(ReadyEvents)
+
+    def cached_prefix_len(self, tokens: TokenInput, ns=None) -> int:
+        """Tokens of this key the tree holds FULL KV for (page-aligned); touches nothing, splits nothing."""
+        kb = self._key(tokens)
+        node, off = self.root, 0
+        while off < len(kb):
+            child = node.children.get(kb[off:off + self._pb])
+            if child is None:
+                break
+            if not kb.startswith(child.key, off):
+                return (off >> 2) + self._common(child.key, kb, off)
+            node, off = child, off + len(child.key)
+        return off >> 2
+
+    def has_receipt(self, rid: int) -> bool:
+        return rid in self._receipts
+
+    def receipt_node(self, rid: int) -> int:
+        """The node a receipt protects."""
+        return self._receipt(rid).node.id
+
+    def swa_released(self, rid: int) -> bool:
+        return self._receipt(rid).swa_released
+
+    def reset(self) -> dict[str, np.ndarray]:
+        """Drop every cached prefix (refused while a receipt is live); returns what the tree held, per
+        component. Node and receipt ids keep counting, so a stale handle stays stale."""
+        if self._receipts:
+            raise LocksHeld(f"{len(self._receipts)} lock receipts are outstanding")
+        held = self.held()
+        ids, rids, counters, ev = self._ids, self._rids, self.counters, self._ev
+        page_size, window, chunk, events, cap = self._params
+        self.__init__(page_size, window, chunk, events, cap)
+        self._ids, self._rids, self.counters = ids, rids, counters
+        if ev is not None:
+            ev.append((CLEARED, FULL, b"", None, b""))
+            self._ev = ev
+        return held
+
+    @property
+    def num_receipts(self) -> int:
+        return len(self._receipts)
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self._nodes) - 1
+
+    @property
+    def evictable_size(self) -> int:
+        return self.evictable[FULL]
+
+    @property
+    def protected_size(self) -> int:
+        return self.protected[FULL]
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.evictable[FULL] + self.protected[FULL]
+
+    # a hybrid tree has no host tier: these read as the plain tree's do without one
+    write_policy = None
+    bigram = False
+    host_evictable_size = host_protected_size = host_cached_tokens = 0

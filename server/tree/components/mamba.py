@@ -27,6 +27,7 @@ class MambaComponent(Component):
         if max_states_per_path == 0 or max_states_per_path < -1:
             raise ValueError("max_states_per_path is -1 (no cap) or >= 1")
         self.cap = max_states_per_path
+        self.chunk = chunk
         self.trimmed = 0  # states the cap has dropped
         ps = tree.page_size
         a, b = chunk, ps

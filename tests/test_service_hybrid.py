@@ -1,0 +1,361 @@
+"""A hybrid model through the service: real server processes, the wire, the three pools, against ground truth.
+
+The workload plays an engine scheduler serving a FULL + sliding-window + Mamba model: match (lock, copy the
+state), allocate, write KV and states, leave the window during decode, finish. Every value written into a
+pool is a function of the token prefix it belongs to, computed here without radixd; every hit is checked
+against it (FULL KV of every matched position, SWA KV of the window before the match end, the state copied for
+the request). CheckInvariants (the hybrid checker, conservation per pool) runs after every RPC.
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from radixd.client import CacheClient
+from radixd.client.errors import ResourceExhausted
+from radixd.proto import cache_pb2 as pb
+
+from .conftest import ServerProc
+
+PAGE, WINDOW = 4, 16
+
+TRI_CONFIG = {  # one layer of each kind, float32 so the values written come back exactly
+    "architectures": ["TinyHybrid"], "num_hidden_layers": 3, "hidden_size": 32, "num_attention_heads": 2,
+    "num_key_value_heads": 2, "head_dim": 8, "torch_dtype": "float32", "sliding_window": WINDOW,
+    "layer_types": ["full_attention", "sliding_attention", "mamba"],
+    "mamba_num_heads": 2, "mamba_head_dim": 4, "n_groups": 1, "ssm_state_size": 4, "conv_kernel": 4,
+    "chunk_size": 8,
+}
+
+
+def _config(tmp_path, cfg: dict, name: str = "config.json") -> str:
+    path = tmp_path / name
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+@pytest.fixture
+def tri(tmp_path):
+    s = ServerProc("--num-slots", "768", "--page-size", str(PAGE), "--model-config", _config(tmp_path, TRI_CONFIG),
+                   "--hybrid-cache", "--swa-ratio", "0.5", "--mamba-states", "10", "--kv-events")
+    yield s
+    s.stop()
+
+
+def prefix_values(tokens: np.ndarray) -> np.ndarray:
+    """value[i] names the prefix tokens[:i + 1] (a rolling hash, exact in float32)."""
+    out = np.empty(len(tokens), dtype=np.float32)
+    h = 7
+    for i, t in enumerate(tokens.tolist()):
+        h = (h * 1000003 + t + 1) % (1 << 20)
+        out[i] = h
+    return out
+
+
+class Engine:
+    """One scheduler's view: its client, the mapped pools, and the checks of every hit."""
+
+    def __init__(self, target: str):
+        self.c = CacheClient(target, name="hybrid-engine")
+        self.pools = self.c.map_pools()
+        self.full = self.pools.device[0].k_buffer[0]   # [slots, heads, dim]
+        self.swa = self.pools.swa.k_buffer[0]
+        self.conv = self.pools.state.conv_buffer[0]    # [states, conv dim, kernel - 1]
+        self.checked = dict(full=0, swa=0, state=0)
+        self.refused = 0
+
+    def ok(self) -> None:
+        assert self.c.check() == []
+        st = self.c.stats()
+        assert st["free_tokens"] + st["cached_tokens"] + st["held_tokens"] + st["in_flight_tokens"] == \
+            st["capacity_tokens"]
+        assert st["swa_free_tokens"] + st["swa_evictable_tokens"] + st["swa_protected_tokens"] + \
+            st["swa_held_tokens"] == st["swa_capacity_tokens"]
+        assert st["mamba_free"] + st["mamba_evictable"] + st["mamba_protected"] + st["mamba_held"] == \
+            st["mamba_capacity"]
+
+    def verify(self, tokens: np.ndarray, m, cow: bool = True) -> None:
+        """The hit's FULL KV, its window's SWA KV and its copied state are the ones written for this prefix."""
+        import torch
+        n = m.matched_len
+        if not n:
+            return
+        want = torch.from_numpy(prefix_values(tokens[:n]))
+        assert torch.equal(self.full[torch.from_numpy(m.indices.copy()), 0, 0], want)
+        self.checked["full"] += n
+        lo = max(0, n - WINDOW)
+        twins = m.swa_indices[lo:n]
+        assert (twins >= 0).all(), f"the window before the match end ({lo}..{n}) has no SWA KV"
+        assert torch.equal(self.swa[torch.from_numpy(twins.copy()), 0, 0], want[lo:])
+        self.checked["swa"] += n - lo
+        assert m.mamba_src >= 0
+        assert torch.all(self.conv[m.mamba_src] == want[-1]), "the tree's state is not the prefix's"
+        if cow:
+            assert m.mamba_slot >= 0 and m.mamba_slot != m.mamba_src
+            assert torch.all(self.conv[m.mamba_slot] == want[-1]), "the copied state is not the prefix's"
+        self.checked["state"] += 1
+
+    def start(self, tokens: np.ndarray, rng) -> dict:
+        """A request is scheduled: match+lock+copy the state, allocate, write its KV and state, and maybe decode
+        out of the window (free the SWA twins behind it, release the SWA lock)."""
+        import torch
+        c = self.c
+        m = c.match_hybrid([tokens], lock=True, mamba_cow=True)[0]
+        self.ok()
+        self.verify(tokens, m)
+        n = len(tokens)
+        try:
+            a = c.alloc_hybrid([n - m.matched_len])
+        except ResourceExhausted:  # too much in flight: the scheduler puts it back in the queue
+            c.unlock([m.receipt_id])
+            c.free_hybrid(states=[m.mamba_slot])
+            self.ok()
+            self.refused += 1
+            return None
+        self.ok()
+        own, twins = a.full[0], a.swa[0]
+        assert len(twins) == len(own) and (twins >= 0).all()
+        vals = torch.from_numpy(prefix_values(tokens))
+        fresh = vals[m.matched_len:]
+        self.full[torch.from_numpy(own[:len(fresh)].copy()), :, :] = fresh[:, None, None]
+        self.swa[torch.from_numpy(twins[:len(fresh)].copy()), :, :] = fresh[:, None, None]
+        aligned = n - n % PAGE
+        if aligned:
+            self.conv[m.mamba_slot] = vals[aligned - 1]  # the state after the last whole page
+        evicted = 0
+        if n - m.matched_len > WINDOW + 2 * PAGE and rng.random() < 0.6:  # decode left the window
+            evicted = (n - WINDOW - PAGE) // PAGE * PAGE
+            mine = own[:evicted - m.matched_len]
+            assert c.free_hybrid(mine, swa_only=True)[0] == len(mine)
+            self.ok()
+            c.release_swa([m.receipt_id])
+            self.ok()
+        return dict(tokens=tokens, indices=np.concatenate([m.indices, own]), prev_prefix_len=m.matched_len,
+                    receipt_id=m.receipt_id, swa_evicted_seqlen=evicted, mamba_value=m.mamba_slot)
+
+    def finish(self, item: dict, unfinished: bool = False) -> None:
+        """The request is done (after a chunk checkpoint, sometimes)."""
+        c = self.c
+        tokens = item["tokens"]
+        aligned = len(tokens) - len(tokens) % PAGE
+        if unfinished and not item["swa_evicted_seqlen"]:
+            (ins, m2), = c.cache_unfinished([item])
+            self.ok()
+            assert m2.matched_len == aligned
+            self.verify(tokens, c.match_hybrid([tokens])[0], cow=False)
+            # the tree may have kept its own slots where this request's were duplicates: continue on its
+            c.cache_finished([dict(item, indices=np.concatenate([m2.indices, item["indices"][aligned:]]),
+                                   prev_prefix_len=aligned, receipt_id=m2.receipt_id)])
+        else:
+            c.cache_finished([item])
+        self.ok()
+
+    def close(self) -> None:
+        self.pools.close()
+        self.c.close()
+
+
+def test_a_hybrid_workload_hits_exactly_the_kv_and_states_written_for_each_prefix(tri):
+    """Shared system prompts and multi-turn conversations under pool pressure in all three pools."""
+    rng = np.random.default_rng(11)
+    e = Engine(tri.target)
+    try:
+        info = e.c.info()
+        assert info["hybrid"]["sliding_window"] == WINDOW and info["hybrid"]["mamba_chunk"] == 8
+        assert info["hybrid"]["full_layers"] == [0] and info["hybrid"]["swa_layers"] == [1]
+        assert info["hybrid"]["state_layers"] == [2]
+        systems = [rng.integers(0, 1000, int(rng.integers(8, 40)), dtype=np.int32) for _ in range(4)]
+        convs: list[np.ndarray] = []
+        running: list[dict] = []
+        for step in range(300):
+            if running and (len(running) >= 4 or rng.random() < 0.45):  # up to 4 requests in flight
+                e.finish(running.pop(int(rng.integers(len(running)))), unfinished=rng.random() < 0.15)
+            else:
+                if convs and rng.random() < 0.4:  # a conversation's next turn extends its history
+                    i = int(rng.integers(len(convs)))
+                    tokens = np.concatenate([convs[i], rng.integers(0, 1000, int(rng.integers(4, 30)),
+                                                                    dtype=np.int32)])
+                    convs[i] = tokens
+                else:
+                    tokens = np.concatenate([systems[int(rng.integers(4))],
+                                             rng.integers(0, 1000, int(rng.integers(1, 60)), dtype=np.int32)])
+                    convs.append(tokens)
+                req = e.start(tokens, rng)
+                if req is not None:
+                    running.append(req)
+            if rng.random() < 0.15:
+                e.c.evict_hybrid(int(rng.integers(0, 64)), int(rng.integers(0, 48)), int(rng.integers(0, 3)))
+                e.ok()
+        for item in running:
+            e.finish(item)
+        st = e.c.stats()
+        assert st["receipts"] == 0 and st["held_tokens"] == 0 and st["mamba_held"] == 0
+        assert st["swa_held_tokens"] == 0
+        assert st["evicted_tokens_total"] > 0, "the workload never filled the FULL pool"
+        assert e.checked["full"] > 1000 and e.checked["swa"] > 300 and e.checked["state"] > 30, e.checked
+        assert e.refused < 30, f"{e.refused} requests found no room"
+    finally:
+        e.close()
+
+
+def test_a_plain_client_and_plain_calls_keep_working_on_a_hybrid_server(tri):
+    """Today's client code, unchanged: alloc, insert with a state, match, unlock."""
+    with CacheClient(tri.target, name="plain") as c:
+        a = c.alloc_hybrid([8], mamba_states=1)
+        toks = np.arange(8, dtype=np.int32)
+        ins = c.cache_finished([dict(tokens=toks, indices=a.full[0], mamba_value=int(a.states[0]))])[0]
+        assert ins.adopted == 8 and not ins.mamba_exist
+        m = c.match_prefix(toks, lock=True)
+        assert m.matched_len == 8 and m.receipt_id
+        c.unlock([m.receipt_id])
+        assert c.check() == []
+
+
+def _bad(c, call, request, code, text):
+    before = c.stats()
+    with pytest.raises(grpc.RpcError) as e:
+        getattr(c._stub, call)(request, metadata=c._meta)
+    assert e.value.code() == code, e.value.details()
+    assert text in e.value.details(), e.value.details()
+    after = c.stats()
+    assert before == after, "a refused call changed the server"
+    assert c.check() == []
+
+
+def test_bad_hybrid_input_gets_a_precise_status_and_changes_nothing(tri):
+    INV, DENIED, CONFLICT = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED, \
+        grpc.StatusCode.FAILED_PRECONDITION
+    with CacheClient(tri.target, name="bad") as c:
+        a = c.alloc_hybrid([12], mamba_states=2)
+        sid = c.session_id
+        toks = np.arange(12, dtype=np.int32).tobytes()
+        idx = a.full[0].tobytes()
+        _bad(c, "CacheFinished", pb.CacheFinishedRequest(session_id=sid, items=[pb.FinishedItem(tokens=toks, indices=idx)]),
+             INV, "every insert donates a state")
+        _bad(c, "CacheFinished", pb.CacheFinishedRequest(session_id=sid, items=[
+            pb.FinishedItem(tokens=toks, indices=idx, mamba_value=9)]), DENIED, "mamba_value")
+        _bad(c, "CacheFinished", pb.CacheFinishedRequest(session_id=sid, items=[
+            pb.FinishedItem(tokens=toks, indices=idx, mamba_value=int(a.states[0]), swa_evicted_seqlen=3)]),
+            INV, "not a page-aligned")
+        c.free_hybrid(a.full[0][4:8], swa_only=True)
+        _bad(c, "CacheFinished", pb.CacheFinishedRequest(session_id=sid, items=[
+            pb.FinishedItem(tokens=toks, indices=idx, mamba_value=int(a.states[0]), swa_evicted_seqlen=4)]),
+            INV, "lost their SWA twins")
+        _bad(c, "MatchPrefix", pb.MatchRequest(session_id=sid, items=[pb.MatchItem(tokens=toks, extra_key="lora")]),
+             INV, "namespaces are not supported for hybrid")
+        _bad(c, "Free", pb.FreeRequest(session_id=sid, states=np.array([7], "<i8").tobytes()), DENIED, "states")
+        _bad(c, "Evict", pb.EvictRequest(host_tokens=4), CONFLICT, "no host tier")
+        _bad(c, "LoadBack", pb.LoadBackRequest(session_id=sid, items=[pb.LoadBackItem(receipt_id=1)]),
+             CONFLICT, "no host tier")
+        ins = c.cache_finished([dict(tokens=np.arange(12, dtype=np.int32), indices=a.full[0], mamba_value=int(a.states[0]),
+                                     swa_evicted_seqlen=8)])[0]
+        assert ins.adopted == 12
+        m = c.match_hybrid([np.arange(12, dtype=np.int32)], lock=True)[0]
+        c.release_swa([m.receipt_id])
+        _bad(c, "Unlock", pb.UnlockRequest(session_id=sid, receipt_id=[m.receipt_id], swa_only=True), CONFLICT,
+             "already released its SWA window")
+        c.unlock([m.receipt_id])
+        _bad(c, "Alloc", pb.AllocRequest(session_id=sid, num_tokens=[4], mamba_states=11), grpc.StatusCode.RESOURCE_EXHAUSTED,
+             "state pool has 10")
+
+
+def test_a_plain_server_refuses_hybrid_fields(server):
+    with CacheClient(server.target, name="p") as c:
+        _bad(c, "Alloc", pb.AllocRequest(session_id=c.session_id, num_tokens=[4], mamba_states=1),
+             grpc.StatusCode.INVALID_ARGUMENT, "holds a plain model")
+        _bad(c, "Unlock", pb.UnlockRequest(session_id=c.session_id, swa_only=True), grpc.StatusCode.INVALID_ARGUMENT,
+             "holds a plain model")
+
+
+def _holder(target: str, ready) -> None:
+    """Another engine: holds FULL slots with twins, states, a cow copy and a lock, then waits to be killed."""
+    c = CacheClient(target, name="doomed")
+    a = c.alloc_hybrid([40], mamba_states=2)
+    toks = np.arange(40, dtype=np.int32)
+    c.cache_finished([dict(tokens=toks[:20], indices=a.full[0][:20], mamba_value=int(a.states[0]))])
+    c.match_hybrid([toks[:20]], lock=True, mamba_cow=True)
+    ready.set()
+    time.sleep(60)
+
+
+def test_a_killed_engine_loses_its_slots_states_and_locks_within_a_second(tri):
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    p = ctx.Process(target=_holder, args=(tri.target, ready))
+    p.start()
+    try:
+        assert ready.wait(60)
+        with CacheClient(tri.target, name="watch") as c:
+            st = c.stats()
+            assert st["held_tokens"] and st["swa_held_tokens"] and st["mamba_held"] and st["receipts"]
+            os.kill(p.pid, signal.SIGKILL)
+            deadline = time.monotonic() + 1.0
+            while time.monotonic() < deadline:
+                st = c.stats()
+                if st["sessions"] == 1:
+                    break
+            assert st["sessions"] == 1, "the dead engine's session outlived a second"
+            assert st["held_tokens"] == st["swa_held_tokens"] == st["mamba_held"] == st["receipts"] == 0
+            assert st["free_tokens"] + st["cached_tokens"] == st["capacity_tokens"]
+            assert c.check() == []
+    finally:
+        p.kill()
+        p.join()
+
+
+def test_hybrid_events_name_each_component(tri):
+    """Stores of all three components arrive on WatchEvents with their group and kind."""
+    from radixd.client.events import event_dicts, watch
+    with CacheClient(tri.target, name="ev") as c:
+        a = c.alloc_hybrid([8], mamba_states=1)
+        c.cache_finished([dict(tokens=np.arange(8, dtype=np.int32), indices=a.full[0], mamba_value=int(a.states[0]))])
+        kinds = set()
+        for batch in watch(tri.target, from_seq=0, follow=False):
+            for ev in event_dicts(batch):
+                kinds.add((ev.get("group_idx"), ev.get("kv_cache_spec_kind"), ev.get("kv_cache_spec_sliding_window")))
+        assert kinds == {(0, "full_attention", None), (1, "sliding_window", WINDOW), (2, "mamba", None)}
+
+
+@pytest.mark.parametrize("config,pools", [
+    ("gemma3-text.json", {"device", "swa"}), ("gpt-oss.json", {"device", "swa"}),
+    ("nemotron-h-4b.json", {"device", "state"}), ("qwen3-next.json", {"device", "state"}),
+    ("jamba.json", {"device", "state"})])
+def test_real_configs_are_sized_into_their_pools(config, pools):
+    """Each real config's layers land in the right pool, with the state pool's per-buffer dtypes."""
+    from radixd.server.layouts import model_layout
+    path = os.path.join(os.path.dirname(__file__), "configs", config)
+    with open(path) as f:
+        hf = json.load(f)
+    lay = model_layout(hf)
+    s = ServerProc("--num-slots", "1024", "--page-size", "16", "--model-config", path, "--hybrid-cache",
+                   "--mamba-states", "2")
+    try:
+        with CacheClient(s.target, name="size") as c:
+            info = c.info()
+            got = {info["device_pools"][0].tier} | {p.tier for p in (info["swa_pool"], info["state_pool"]) if p}
+            assert got == pools
+            assert info["device_pools"][0].num_layers == len(lay.full_layers)
+            assert info["hybrid"]["full_layers"] == list(lay.full_layers)
+            if info["swa_pool"]:
+                assert info["swa_pool"].num_layers == len(lay.swa_layers)
+                assert info["hybrid"]["sliding_window"] == lay.window
+            if info["state_pool"]:
+                sp = info["state_pool"]
+                assert sp.num_layers == len(lay.state_layers) and sp.num_slots == 2
+                conv = next(b for b in sp.buffers if b.name == "conv.0")
+                temporal = next(b for b in sp.buffers if b.name == "temporal.0")
+                assert tuple(conv.shape[1:]) == lay.state.conv_shape and conv.dtype == lay.state.conv_dtype
+                assert tuple(temporal.shape[1:]) == lay.state.temporal_shape
+                assert temporal.dtype == lay.state.temporal_dtype
+                mapped = c.map_pools()
+                assert tuple(mapped.state.temporal_buffer[0].shape) == (2, *lay.state.temporal_shape)
+                mapped.close()
+    finally:
+        s.stop()
