@@ -42,7 +42,7 @@ class HybridCore(CacheCore):
         return self.device_pools + [p for p in (self.swa_pool, self.state_pool) if p is not None]
 
     # ------------------------------------------------------------ executing the tree's frees
-    def _free_full(self, slots: np.ndarray) -> None:
+    def _free_full(self, slots: np.ndarray, whole_pages: bool = False) -> None:
         """FULL slots back to the pool, whoever held them (the tree, or the session for duplicates); a free
         FULL page never keeps an SWA page."""
         if not slots.size:
@@ -53,18 +53,16 @@ class HybridCore(CacheCore):
             if part.size:
                 self.alloc.move(part, state, FREE, check=False)
         if self.swa is not None:
-            self.swa.release(slots)
+            self.swa.release(slots, whole_pages)
 
     def _apply(self, frees: HybridFrees) -> None:
         """Execute what a tree operation freed, per pool."""
         if self.swa is not None:
             for kept, incoming in frees.swa_moves:
                 self.swa.move(kept, incoming)
-        self._free_full(frees.full_slots())
-        if self.swa is not None:
-            twins = frees.swa_slots()
-            if twins.size:
-                self.swa.release(twins)
+        self._free_full(frees.full_slots(), whole_pages=True)  # their twins go with them
+        if self.swa is not None and frees.swa:
+            self.swa.release(frees._cat(frees.swa), whole_pages=True)  # twins whose FULL slots stay
         if frees.mamba:
             self.states.move(np.asarray(frees.mamba, dtype=np.int64), TREE, FREE, check=False)
 
@@ -195,7 +193,7 @@ class HybridCore(CacheCore):
                                      f"length within the item's {n} page-aligned tokens")
             if self.swa is not None:  # what the tree will say has SWA KV must have it
                 lo = max(it.prev_prefix_len, it.swa_evicted_seqlen)
-                if n > lo and (self.swa.translate(it.indices[lo:n]) == _NONE).any():
+                if n > lo and (self.swa.map[it.indices[lo:n:page] // page] == _NONE).any():  # one slot a page
                     raise BadRequest(f"item {i}: positions from {lo} on lost their SWA twins (Free swa_only) but "
                                      f"swa_evicted_seqlen is {it.swa_evicted_seqlen}: raise it to cover them")
             if self.states is None:
@@ -233,9 +231,7 @@ class HybridCore(CacheCore):
         freed = r.frees.full_slots()
         self._apply(r.frees)
         fresh = keyed[it.prev_prefix_len:]
-        if freed.size:
-            fresh = fresh[~np.isin(fresh, freed)]
-        fresh = fresh[self.alloc.state[fresh] == HELD]
+        fresh = fresh[self.alloc.state[fresh] == HELD]  # what the tree did not free (freed slots are FREE now)
         self.alloc.move(fresh, HELD, TREE, s.owner, check=False)
         if donated >= 0:
             d = np.array([donated], dtype=np.int64)

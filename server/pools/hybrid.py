@@ -33,6 +33,7 @@ class SwaTranslation:
         self.map = np.full(full_slots // page_size, _NONE, dtype=np.int64)  # FULL page -> SWA page
         self._free = np.arange(swa_slots // page_size - 1, -1, -1, dtype=np.int64)  # a stack; page 0 first
         self._top = len(self._free)
+        self._offsets = np.arange(page_size, dtype=np.int64)
 
     @property
     def free_slots(self) -> int:
@@ -43,7 +44,14 @@ class SwaTranslation:
         full_slots = np.asarray(full_slots, dtype=np.int64)
         if full_slots.size and (int(full_slots.min()) < 0 or int(full_slots.max()) >= len(self.map) * self.page_size):
             raise SlotError(f"{what}: FULL slot outside [0, {len(self.map) * self.page_size})")
-        pages = full_slots // self.page_size
+        p = self.page_size
+        if p > 1 and full_slots.size % p == 0:  # whole pages (the tree's frees, an allocation): one slot each
+            heads = full_slots[::p]
+            if not (heads % p).any() and (full_slots.reshape(-1, p) - heads[:, None] == self._offsets).all():
+                pages = heads // p
+                if pages.size < 2 or np.unique(pages).size == pages.size:
+                    return pages
+        pages = full_slots // p
         _, first = np.unique(pages, return_index=True)
         return pages[np.sort(first)]
 
@@ -69,9 +77,13 @@ class SwaTranslation:
         swa_page = self.map[full_slots // self.page_size]
         return np.where(swa_page == _NONE, _NONE, swa_page * self.page_size + full_slots % self.page_size)
 
-    def release(self, full_slots: np.ndarray) -> int:
-        """Free the SWA pages of these FULL slots' pages (pages without one are skipped); returns slots freed."""
-        pages = self._pages(full_slots, "release")
+    def release(self, full_slots: np.ndarray, whole_pages: bool = False) -> int:
+        """Free the SWA pages of these FULL slots' pages (pages without one are skipped); returns slots freed.
+        whole_pages: the caller knows they are distinct whole pages (the tree's frees), so one slot names each."""
+        if whole_pages:
+            pages = np.asarray(full_slots, dtype=np.int64)[::self.page_size] // self.page_size
+        else:
+            pages = self._pages(full_slots, "release")
         swa = self.map[pages]
         swa = swa[swa != _NONE]
         self.map[pages] = _NONE
