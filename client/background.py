@@ -21,8 +21,9 @@ class Lookups:
     submitted since the last round, load-backs of host hits (when asked) waited for here. Results are taken by
     key; a lookup given up on is released when it lands."""
 
-    def __init__(self, client: CacheClient, load_back: bool, stores: "Stores"):
+    def __init__(self, client: CacheClient, load_back: bool, stores: "Stores", hybrid: bool = False):
         self.client, self.load_back, self.stores = client, load_back, stores
+        self.hybrid = hybrid  # a hybrid model's server: results are (FULL slots, receipt, their SWA twins)
         self._cv = threading.Condition()
         self._queue: list[tuple[Hashable, np.ndarray, tuple, bool]] = []
         self._done: dict[Hashable, tuple[np.ndarray, int]] = {}
@@ -93,11 +94,15 @@ class Lookups:
         for ns, items in groups.items():
             try:
                 self.rpcs += 1
+                if self.hybrid:
+                    for (rid, _, _), m in zip(items, self.client.match_hybrid([t for _, t, _ in items], lock=True)):
+                        out[rid] = (m.indices, m.receipt_id, m.swa_indices)
+                    continue
                 matches = self.client.match_batch([t for _, t, _ in items], lock=True, **dict(ns))
             except RadixdError as e:  # radixd down or refusing: misses, never failed requests
                 log.warning("radixd match failed: %s", e)
                 for rid, _, _ in items:
-                    out[rid] = (EMPTY, 0)
+                    out[rid] = (EMPTY, 0, EMPTY) if self.hybrid else (EMPTY, 0)
                 continue
             loads = []
             for (rid, _, lb), m in zip(items, matches):
@@ -146,8 +151,10 @@ class Stores:
     order they were queued, batched per round: one CacheUnfinished for every publish (a request's second
     publish goes in the next call, as it needs the first's receipt), one Unlock, one Free, one Alloc refill."""
 
-    def __init__(self, client: CacheClient, page: int, stock_max: int, linger: float = 0.002):
+    def __init__(self, client: CacheClient, page: int, stock_max: int, linger: float = 0.002, hybrid: bool = False):
         self.client, self.page, self.stock_max, self.linger = client, page, stock_max, linger
+        self.hybrid = hybrid  # a hybrid model's server: the stock keeps each page's SWA twin page too
+        self._twins = np.zeros((0, page), np.int64)
         self._cv = threading.Condition()
         self._ops: list[tuple] = []
         self._held: dict[Hashable, tuple[np.ndarray, int]] = {}  # rid -> (locked prefix slots, receipt)
@@ -171,10 +178,11 @@ class Stores:
         self._put("hold", rid, prefix, receipt)
 
     def publish(self, rid: Hashable, tokens: np.ndarray, start: int, slots: np.ndarray, ns: dict[str, str],
-                finished: bool = False) -> None:
+                finished: bool = False, swa_floor: int = 0) -> None:
         """Attach `slots` (the pages of tokens[start:]) after the request's locked prefix: CacheUnfinished (the
-        lock moves to the longer prefix), or CacheFinished when `finished` (the lock goes)."""
-        self._put("publish", rid, tokens, start, slots, ns, finished)
+        lock moves to the longer prefix), or CacheFinished when `finished` (the lock goes). Hybrid models:
+        below `swa_floor` the pages have no sliding-window KV."""
+        self._put("publish", rid, tokens, start, slots, ns, finished, swa_floor)
 
     def release(self, rid: Hashable, tokens: Optional[np.ndarray] = None, ns: Optional[dict[str, str]] = None) -> None:
         """Let go of the request's lock: with its tokens, as a finished request (CacheFinished over what it
@@ -192,7 +200,8 @@ class Stores:
     def take_pages(self, n: int, wait: float = 0.0) -> Optional[np.ndarray]:
         """n stocked pages (rows of slots), or None when the stock is short (after waiting up to `wait` for
         refills); the stock is kept at twice the most pages asked for between two refills (at most
-        `slot_stock_tokens`, or n when n is larger), refilled when it falls to half."""
+        `slot_stock_tokens`, or n when n is larger), refilled when it falls to half. For a hybrid model's server,
+        (pages, their SWA twin pages)."""
         with self._cv:
             self._taken += n
             self._want = max(self._want, min(2 * self._taken, max(self.stock_max // self.page, n)))
@@ -202,6 +211,8 @@ class Stores:
             got = None
             if len(self._stock) >= n:
                 got, self._stock = self._stock[:n], self._stock[n:]
+                if self.hybrid:
+                    got, self._twins = (got, self._twins[:n]), self._twins[n:]
             if self._needs_refill():
                 self._cv.notify_all()
             return got
@@ -245,14 +256,17 @@ class Stores:
             if kind == "hold":
                 self._held[rid] = (op[2], op[3])
             elif kind == "publish":
-                _, _, tokens, start, slots, ns, finished = op
+                _, _, tokens, start, slots, ns, finished, floor = op
                 prefix, receipt = self._held.get(rid, (EMPTY, 0))
                 if rid in self.refused or start != len(prefix):  # cannot attach: the pages are not kept
                     frees.append(slots)
                     self.refused.add(rid)
                     continue
-                batch.append((rid, dict(tokens=tokens, indices=np.concatenate([prefix, slots]),
-                                        prev_prefix_len=len(prefix), receipt_id=receipt, **ns), slots, finished))
+                item = dict(tokens=tokens, indices=np.concatenate([prefix, slots]), prev_prefix_len=len(prefix),
+                            receipt_id=receipt, **ns)
+                if floor > len(prefix):
+                    item["swa_evicted_seqlen"] = floor
+                batch.append((rid, item, slots, finished))
             elif kind == "release":
                 _, _, tokens, ns = op
                 prefix, receipt = self._held.pop(rid, (EMPTY, 0))
@@ -324,9 +338,15 @@ class Stores:
             self._taken = 0
         if short <= 0:
             return
+        twins = None
         try:
             self.rpcs += 1
-            got = self.client.alloc(short * self.page).reshape(-1, self.page).astype(np.int64)
+            if self.hybrid:
+                a = self.client.alloc_hybrid([short * self.page])
+                got = a.full[0].reshape(-1, self.page).astype(np.int64)
+                twins = a.swa[0].reshape(-1, self.page).astype(np.int64)
+            else:
+                got = self.client.alloc(short * self.page).reshape(-1, self.page).astype(np.int64)
         except RadixdError as e:  # radixd is full of locked pages: stores fall back to Alloc on the scheduler
             log.info("radixd slot stock refill failed: %s", e)
             with self._cv:
@@ -334,6 +354,8 @@ class Stores:
             return
         with self._cv:
             self._stock = np.concatenate([self._stock, got])
+            if twins is not None:
+                self._twins = np.concatenate([self._twins, twins])
             self._cv.notify_all()
 
     def idle(self) -> bool:
@@ -355,6 +377,7 @@ class Stores:
             for rid in list(self._held):
                 self._ops.append(("release", rid, None, None))
             stock, self._stock, self._want = self._stock, np.zeros((0, self.page), np.int64), 0
+            self._twins = self._twins[:0]
             if len(stock):
                 self._ops.append(("free", stock.reshape(-1)))
             self._stop = True

@@ -359,3 +359,38 @@ def test_real_configs_are_sized_into_their_pools(config, pools):
                 mapped.close()
     finally:
         s.stop()
+
+
+def test_top_and_prometheus_show_each_components_pool(tri):
+    """`radixd top` gets an SWA and a states row, Prometheus a radixd_component_slots family, both live."""
+    import io
+    import urllib.request
+
+    from rich.console import Console
+
+    from radixd.server.top import run
+    with CacheClient(tri.target, name="top") as c:
+        a = c.alloc_hybrid([8], mamba_states=1)
+        c.cache_finished([dict(tokens=np.arange(8, dtype=np.int32), indices=a.full[0], mamba_value=int(a.states[0]))])
+        buf = io.StringIO()
+        run(c, interval=0.05, iterations=1, console=Console(file=buf, width=150))
+        cells = [[x for x in line.split() if x != "│"] for line in buf.getvalue().splitlines()]
+        rows = {r[0]: r[1:] for r in cells if len(r) > 2 and r[0] in ("swa", "states")}
+        st = c.stats()
+        assert rows["swa"][:2] == [str(st["swa_capacity_tokens"]), str(st["swa_free_tokens"])], rows
+        assert rows["states"][:3] == ["10", "9", "1"], rows  # capacity, free, cached
+        text = urllib.request.urlopen(tri.metrics_url, timeout=5).read().decode()
+        assert 'radixd_component_slots{component="mamba",state="evictable"} 1.0' in text
+        assert f'radixd_component_slots{{component="swa",state="free"}} {float(st["swa_free_tokens"])}' in text
+
+
+def test_device_mem_sizes_full_tokens_with_their_swa_share_and_the_states_first(tmp_path):
+    from radixd.server.config import load, slot_bytes_of
+    from radixd.server.layouts import model_layout
+    path = _config(tmp_path, TRI_CONFIG)
+    cfg = load(dict(model_config=path, hybrid_cache=True, device_mem="16MiB", page_size=PAGE, mamba_states=10,
+                    swa_ratio=0.5))
+    lay = model_layout(TRI_CONFIG)
+    per_token = slot_bytes_of(cfg) * 1.5  # one full layer, and half a token's worth of the one sliding layer
+    budget = (16 << 20) - 10 * lay.state_bytes()
+    assert cfg.num_slots % PAGE == 0 and budget - per_token * PAGE < cfg.num_slots * per_token <= budget

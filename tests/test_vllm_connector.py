@@ -200,6 +200,53 @@ def test_a_sliding_window_model_is_served_as_full_attention(gemma3_dir):
         srv.stop()
 
 
+def _overwrite_swa(c: CacheClient, tokens: list[int], lo: int, hi: int) -> None:
+    """Random K and V over every sliding-window layer of positions lo..hi's SWA twins in radixd's SWA pool."""
+    m = c.match_hybrid([np.asarray(tokens, dtype=np.int32)])[0]
+    assert m.matched_len == len(tokens) and (m.swa_indices[lo:hi] >= 0).all()
+    pools = c.map_pools()
+    idx = torch.from_numpy(m.swa_indices[lo:hi].copy())
+    gen = torch.Generator().manual_seed(6)
+    for layer in range(pools.swa.descriptor.num_layers):
+        for buf in (pools.swa.k_buffer[layer], pools.swa.v_buffer[layer]):
+            buf[idx] = torch.randn(buf[idx].shape, generator=gen) * 3
+    pools.close()
+
+
+@needs_vllm
+def test_a_sliding_window_model_keeps_vllms_hybrid_manager_through_the_hybrid_connector(gemma3_dir):
+    """RadixdHybridConnector (SupportsHMA): vLLM keeps a block table per KV cache group (3 sliding-window groups
+    with null blocks outside the 64-token window, 1 full-attention group); radixd, started with --hybrid-cache,
+    holds the full-attention layer in its FULL pool and the sliding-window layers in its SWA pool. A second
+    engine hits 192 tokens and generates what an engine without a connector does; overwriting the SWA KV of
+    the window before the hit changes the output, overwriting SWA KV below the window does not (vLLM reads
+    only the window)."""
+    reference = _engine(gemma3_dir, [P + SUFFIX])
+    srv = ServerProc("--num-slots", "8192", "--page-size", str(BLOCK), "--model-config",
+                     os.path.join(gemma3_dir, "config.json"), "--hybrid-cache", "--swa-ratio", "0.5")
+    hybrid = ("--hybrid",)
+    try:
+        with CacheClient(srv.target, name="test") as c:
+            info = c.info()
+            assert info["device_pools"][0].num_layers == 1 and info["swa_pool"].num_layers == 3
+            assert info["hybrid"]["sliding_window"] == 64
+            _engine(gemma3_dir, [P], srv.target, extra=hybrid)
+            s = _settled(c)
+            assert s["cached_tokens"] == 192 and s["swa_evictable_tokens"] >= 64, s
+            b = _engine(gemma3_dir, [P + SUFFIX], srv.target, extra=hybrid)
+            assert b[0]["cached"] == 192 and b[0]["tokens"] == reference[0]["tokens"]
+            _settled(c)
+            _overwrite_swa(c, P[:192], 0, 96)  # below the window vLLM loads (the last 2 blocks before 192)
+            same = _engine(gemma3_dir, [P + SUFFIX], srv.target, extra=hybrid)
+            assert same[0]["cached"] == 192 and same[0]["tokens"] == reference[0]["tokens"]
+            _overwrite_swa(c, P[:192], 128, 192)  # the window
+            bad = _engine(gemma3_dir, [P + SUFFIX], srv.target, extra=hybrid)
+            assert bad[0]["cached"] == 192 and bad[0]["tokens"] != reference[0]["tokens"]
+            _settled(c)
+    finally:
+        srv.stop()
+
+
 @needs_vllm
 def test_a_killed_engine_leaves_no_lock_and_no_slot_behind(model_dir):
     srv = _server(model_dir)

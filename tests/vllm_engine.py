@@ -62,6 +62,7 @@ def main() -> None:
     ap.add_argument("prompts", nargs="?")
     ap.add_argument("out", nargs="?")
     ap.add_argument("--radixd", default="")
+    ap.add_argument("--hybrid", action="store_true", help="RadixdHybridConnector (vLLM keeps its hybrid manager)")
     ap.add_argument("--arch", default="llama", choices=["llama", "gemma3"], help="the tiny model to build")
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--max-model-len", type=int, default=1024)
@@ -80,7 +81,8 @@ def main() -> None:
     kw = {}
     if args.radixd:
         kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="RadixdConnector", kv_connector_module_path="radixd.vllm", kv_role="kv_both",
+            kv_connector="RadixdHybridConnector" if args.hybrid else "RadixdConnector",
+            kv_connector_module_path="radixd.vllm", kv_role="kv_both",
             kv_connector_extra_config={"radixd_target": args.radixd})
     llm = LLM(model=args.model_dir, dtype="float32", enforce_eager=True, max_model_len=args.max_model_len,
               block_size=BLOCK, enable_prefix_caching=True, kv_cache_memory_bytes=64 << 20, seed=0, **kw)

@@ -1,5 +1,6 @@
 """radixd as vLLM's shared external KV tier: `RadixdConnector`. vLLM is imported only when the connector
-is (lazily, here), so `radixd.vllm.layout` and `import radixd` work without it.
+is (lazily, here), so `radixd.vllm.layout` and `import radixd` work without it. `RadixdHybridConnector` is
+the same for hybrid (sliding-window) models, with a radixd started with --hybrid-cache.
 
     --kv-transfer-config '{"kv_connector": "RadixdConnector", "kv_connector_module_path": "radixd.vllm",
                            "kv_role": "kv_both", "kv_connector_extra_config": {"radixd_target": "unix:///..."}}'
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 
-_EXPORTS = ("RadixdConnector", "RadixdConnectorMetadata", "RadixdWorkerMetadata", "SUPPORTED_VLLM")
+_EXPORTS = ("RadixdConnector", "RadixdHybridConnector", "RadixdConnectorMetadata", "RadixdWorkerMetadata", "SUPPORTED_VLLM")
 __all__ = list(_EXPORTS)
 
 

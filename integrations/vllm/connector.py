@@ -20,6 +20,12 @@ No radixd call blocks vLLM's scheduler thread in the steady state:
 Worker side: maps radixd's device pool, checks the geometry, and copies whole pages (`start_load_kv` before
 the forward, stores in `wait_for_save` after it; on a side stream on GPU, waited for before returning),
 converting layouts exactly.
+Hybrid models (sliding window): `RadixdHybridConnector` is the same connector with vLLM's `SupportsHMA`, so
+vLLM keeps its hybrid KV cache manager (a block table per KV cache group, null blocks outside a window) and
+radixd, started with `--hybrid-cache --model-config` of the same model, holds the full-attention layers in its
+FULL pool and the sliding-window layers in its SWA pool. A hit loads FULL pages into the full-attention
+groups' blocks and the SWA twins of the window into the sliding-window groups' non-null blocks; a store
+copies both. Mamba / linear-attention groups are refused at engine start in one line (not yet).
 Configure with `kv_connector_extra_config`: `radixd_target` (default `$RADIXD_TARGET` or the default
 socket), `radixd_token`, `load_back` (default true), `lookup_deadline_ms` (default 200),
 `slot_stock_tokens` (the most slots held ready for stores, default 8192).
@@ -38,7 +44,8 @@ import numpy as np
 import torch
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
-                                                               KVConnectorRole, KVConnectorWorkerMetadata)
+                                                               KVConnectorRole, KVConnectorWorkerMetadata,
+                                                               SupportsHMA)
 
 from radixd.client import CacheClient, RadixdError
 from radixd.client.background import EMPTY, Lookups, Stores
@@ -62,10 +69,11 @@ SUPPORTED_VLLM = "0.32.0"
 
 @dataclass
 class RadixdConnectorMetadata(KVConnectorMetadata):
-    """One step's copies: loads (vLLM blocks, radixd page first slots) and stores (id, blocks, pages)."""
+    """One step's copies: loads (vLLM blocks per KV cache group, radixd page first slots, their SWA twins' first
+    slots) and stores (id, blocks per group, pages, SWA twin pages); the twins are empty for a plain model."""
 
-    loads: list[tuple[list[int], list[int]]] = field(default_factory=list)
-    stores: list[tuple[int, list[int], list[int]]] = field(default_factory=list)
+    loads: list[tuple[list[list[int]], list[int], list[int]]] = field(default_factory=list)
+    stores: list[tuple[int, list[list[int]], list[int], list[int]]] = field(default_factory=list)
 
 
 @dataclass
@@ -84,9 +92,10 @@ class _Req:
     tokens: list[int]
     ns: dict[str, str]
     prefix: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # radixd's hit (locked), for loads
+    swa: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # hybrid: the hit's SWA twins
     local: int = 0  # vLLM's own computed tokens when matched
     load: Optional[tuple[int, int]] = None  # (first token, tokens) to load this step
-    blocks: list[int] = field(default_factory=list)
+    blocks: list[list[int]] = field(default_factory=list)  # vLLM's block ids, per KV cache group
     planned: int = 0  # tokens whose store has been planned (published or in flight)
     inflight: set[int] = field(default_factory=set)
     finished: bool = False
@@ -118,6 +127,8 @@ class RadixdConnector(KVConnectorBase_V1):
         tp = vllm_config.parallel_config.tensor_parallel_size
         if tp != 1:
             raise ValueError(f"radixd connector: tensor_parallel_size {tp} is not supported yet (use 1)")
+        self.hma = isinstance(self, SupportsHMA)
+        self.groups = _group_kinds(kv_cache_config) if self.hma else ["full"]
         self._sched: Optional[_Scheduler] = None
         self._worker: Optional[_Worker] = None
         if role == KVConnectorRole.SCHEDULER:
@@ -191,6 +202,32 @@ class RadixdConnector(KVConnectorBase_V1):
             self._sched.close()
         if self._worker is not None:
             self._worker.close()
+
+
+class RadixdHybridConnector(RadixdConnector, SupportsHMA):
+    """RadixdConnector for hybrid models: vLLM keeps its hybrid KV cache manager (see the module docstring)."""
+
+    def request_finished_all_groups(self, request: "Request",
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished(request, [])
+
+
+def _group_kinds(kv_cache_config: "KVCacheConfig") -> list[str]:
+    """Each KV cache group's kind: "full" or "swa" (with the window); anything else is refused in one line."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+    kinds = []
+    for g in kv_cache_config.kv_cache_groups:
+        spec = g.kv_cache_spec
+        if isinstance(spec, SlidingWindowSpec):
+            kinds.append(f"swa:{spec.sliding_window}")
+        elif isinstance(spec, FullAttentionSpec) and not getattr(spec, "sliding_window", None):
+            kinds.append("full")
+        else:
+            raise ValueError(f"radixd connector: KV cache group {type(spec).__name__} (layers {g.layer_names[:2]}...) "
+                             "is not supported yet: only full-attention and sliding-window groups")
+    if "full" not in kinds:
+        raise ValueError("radixd connector: the model has no full-attention layer (radixd's tree needs one)")
+    return kinds
 
 
 def scheduler_stats(connector: RadixdConnector) -> dict[str, Any]:
@@ -280,14 +317,18 @@ class _Scheduler:
         if info["page_size"] != self.page:
             raise ValueError(f"radixd connector: radixd's page size {info['page_size']} != vLLM's block size "
                              f"{self.page}; start radixd with --page-size {self.page}")
+        self.hybrid = conn.hma
+        self.full = conn.groups.index("full")  # the group whose block table decides what is stored
+        if self.hybrid:
+            _check_hybrid_server(info, conn.groups)
         self.reqs: dict[str, _Req] = {}
         self.stores: dict[int, tuple[str, int, int, np.ndarray]] = {}  # id -> (request, start, end, slots)
         self._next = 0
         self.running = 0  # requests past their lookup and not finished: the engine has other work
         self.hits = 0  # tokens loaded from radixd (for tests and logs)
         self.rpcs = 0  # calls made on the scheduler thread
-        self.background = Stores(self.client, self.page, conn.slot_stock)
-        self.lookups = Lookups(self.client, conn.load_back, self.background)
+        self.background = Stores(self.client, self.page, conn.slot_stock, hybrid=self.hybrid)
+        self.lookups = Lookups(self.client, conn.load_back and not self.hybrid, self.background, hybrid=self.hybrid)
         self.background.first = self.lookups
         self.meter = _Meter()
 
@@ -335,7 +376,9 @@ class _Scheduler:
                 res = (EMPTY, 0)
             st.pending = False
             self.running += 1
-            st.prefix, receipt = res
+            st.prefix, receipt = res[0], res[1]
+            if self.hybrid:
+                st.swa = res[2] if len(res) > 2 else EMPTY
             if receipt:
                 self.background.hold(rid, st.prefix, receipt)
             st.planned = len(st.prefix)
@@ -354,11 +397,12 @@ class _Scheduler:
             st = self.reqs.get(nr.req_id)
             if st is None:
                 continue
-            st.blocks = list(nr.block_ids[0])
+            st.blocks = [list(b) for b in nr.block_ids]
             if st.load is not None:
                 start, n = st.load
                 pages = st.prefix[start:start + n:self.page].tolist()
-                meta.loads.append((st.blocks[start // self.page:(start + n) // self.page], pages))
+                twins = st.swa[start:start + n:self.page].tolist() if self.hybrid else []
+                meta.loads.append(([b[start // self.page:(start + n) // self.page] for b in st.blocks], pages, twins))
                 self.hits += n
                 st.load = None
             self._plan(nr.req_id, st, nr.num_computed_tokens + so.num_scheduled_tokens[nr.req_id], meta)
@@ -369,9 +413,10 @@ class _Scheduler:
                 continue
             nb = cr.new_block_ids[i]
             if rid in cr.resumed_req_ids:
-                st.blocks = list(nb[0]) if nb else []
+                st.blocks = [list(b) for b in nb] if nb else []
             elif nb:
-                st.blocks.extend(nb[0])
+                for have, new in zip(st.blocks, nb):
+                    have.extend(new)
             self._plan(rid, st, cr.num_computed_tokens[i] + so.num_scheduled_tokens[rid], meta)
         self._allocate(meta)
         return meta
@@ -380,7 +425,8 @@ class _Scheduler:
         """Note the prompt pages this step completes beyond what radixd has (slots come in `_allocate`)."""
         end = min(self._align(computed_after), self._align(len(st.tokens)))
         start = st.planned
-        if not st.storing or st.finished or st.pending or end <= start or end // self.page > len(st.blocks):
+        if not st.storing or st.finished or st.pending or end <= start or not st.blocks or \
+                end // self.page > len(st.blocks[self.full]):
             return
         if rid in self.background.refused:  # an earlier publish of it failed: its pages cannot attach
             st.storing = False
@@ -394,10 +440,18 @@ class _Scheduler:
             return
         need = [(end - start) // self.page for _, _, start, end in plans]
         pages = self.background.take_pages(sum(need))
+        twins = None
+        if pages is not None and self.hybrid:
+            pages, twins = pages
         if pages is None:
             try:
                 self.rpcs += 1
-                pages = self.client.alloc(sum(need) * self.page).reshape(-1, self.page).astype(np.int64)
+                if self.hybrid:
+                    a = self.client.alloc_hybrid([sum(need) * self.page])
+                    pages = a.full[0].reshape(-1, self.page).astype(np.int64)
+                    twins = a.swa[0].reshape(-1, self.page).astype(np.int64)
+                else:
+                    pages = self.client.alloc(sum(need) * self.page).reshape(-1, self.page).astype(np.int64)
             except RadixdError as e:  # radixd is full of locked pages: this step's pages are not cached there
                 log.info("radixd alloc failed (%s); not storing %d requests", e, len(plans))
                 for _, st, _, _ in plans:
@@ -405,12 +459,27 @@ class _Scheduler:
                 return
         at = 0
         for (rid, st, start, end), n in zip(plans, need):
-            rows, at = pages[at:at + n], at + n
+            rows = pages[at:at + n]
+            heads = twins[at:at + n, 0].tolist() if twins is not None else []
+            at += n
             self._next += 1
-            self.stores[self._next] = (rid, start, end, rows.reshape(-1))
+            self.stores[self._next] = (rid, start, end, rows.reshape(-1), self._swa_floor(st, start, end))
             st.inflight.add(self._next)
             st.planned = end
-            meta.stores.append((self._next, st.blocks[start // self.page:end // self.page], rows[:, 0].tolist()))
+            meta.stores.append((self._next, [b[start // self.page:end // self.page] for b in st.blocks],
+                                rows[:, 0].tolist(), heads))
+
+    def _swa_floor(self, st: _Req, start: int, end: int) -> int:
+        """Hybrid: the end of the last page in [start, end) whose block a sliding-window group has already let go
+        (a null block): radixd must not keep SWA KV below it."""
+        floor = 0
+        for kind, blocks in zip(self.conn.groups, st.blocks):
+            if kind.startswith("swa"):
+                span = blocks[start // self.page:end // self.page]
+                nulls = [i for i, b in enumerate(span) if b == 0]
+                if nulls:
+                    floor = max(floor, start + (nulls[-1] + 1) * self.page)
+        return floor
 
     def stored(self, ids: set[int]) -> None:
         """Workers copied these stores: hand them to the store thread to publish, then finish requests that
@@ -419,13 +488,14 @@ class _Scheduler:
             entry = self.stores.pop(sid, None)
             if entry is None:
                 continue
-            rid, start, end, slots = entry
+            rid, start, end, slots, floor = entry
             st = self.reqs.get(rid)
             if st is None:
                 self.background.free(slots)
                 continue
             st.inflight.discard(sid)
-            self.background.publish(rid, np.asarray(st.tokens[:end], dtype=np.int32), start, slots, st.ns)
+            self.background.publish(rid, np.asarray(st.tokens[:end], dtype=np.int32), start, slots, st.ns,
+                                    swa_floor=floor)
         for rid in [rid for rid, st in self.reqs.items() if st.finished and not st.inflight]:
             self._finish(rid)
 
@@ -458,6 +528,18 @@ class _Scheduler:
         self.client.close()
 
 
+def _check_hybrid_server(info: dict, groups: list[str]) -> None:
+    """The radixd server must hold this model's layers the hybrid way, with the same window."""
+    h = info.get("hybrid")
+    if not h or not h["swa_layers"]:
+        raise ValueError("radixd connector (hybrid): the radixd server holds a plain model; start it with "
+                         "--hybrid-cache --model-config <this model's config.json>")
+    windows = {int(k.split(":")[1]) for k in groups if k.startswith("swa:")}
+    if windows and windows != {h["sliding_window"]}:
+        raise ValueError(f"radixd connector (hybrid): vLLM's sliding window {sorted(windows)} != radixd's "
+                         f"{h['sliding_window']}")
+
+
 _LAYER = re.compile(r"(\d+)")
 
 
@@ -476,7 +558,7 @@ def _probe_cpu_kernel(geo: Geometry, conn: RadixdConnector) -> Geometry:
 
 
 class _Worker:
-    """Maps radixd's device pool and copies pages between it and vLLM's blocks."""
+    """Maps radixd's pools and copies pages between them and vLLM's blocks, each layer in its own group."""
 
     def __init__(self, conn: RadixdConnector):
         self.conn = conn
@@ -484,8 +566,7 @@ class _Worker:
         self.geo: Optional[Geometry] = None
         self.done: set[int] = set()
         self.pools = None
-        self.k: list[torch.Tensor] = []
-        self.v: list[torch.Tensor] = []
+        self.plan: list[tuple[torch.Tensor, int, torch.Tensor, torch.Tensor, bool]] = []  # kv, group, k, v, swa
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         names = sorted(kv_caches, key=lambda n: [int(x) for x in _LAYER.findall(n)] or [0])
@@ -495,23 +576,56 @@ class _Worker:
             self.geo = _probe_cpu_kernel(self.geo, self.conn)
         client = CacheClient(self.conn.target, token=self.conn.token, attach=False)
         try:
+            info = client.info()
             self.pools = client.map_pools(self.layers[0].device)
         finally:
             client.close()
         dev = self.pools.device[0]
-        d = dev.descriptor
-        want = (len(self.layers), self.geo.kv_heads, self.geo.head_dim, self.geo.block_size, self.geo.dtype)
-        have = (d.num_layers, d.kv_heads, d.head_dim, d.page_size, dev.k_buffer[0].dtype if dev.k_buffer else None)
-        if d.mla or want != have:
-            raise ValueError("radixd connector: the KV geometry differs (layers, kv heads, head dim, page size, "
-                             f"dtype): vLLM has {want}, radixd has {have}; start radixd with matching "
-                             "--layers/--kv-heads/--head-dim/--page-size/--dtype (or --model-config)")
+        if self.conn.hma:
+            self.plan = self._hybrid_plan(names, info)
+        else:
+            self._check(dev, len(self.layers), "")
+            self.plan = [(kv, 0, dev.k_buffer[i], dev.v_buffer[i], False) for i, kv in enumerate(self.layers)]
         if dev.k_buffer[0].device != self.layers[0].device:
             raise ValueError(f"radixd connector: radixd's pool is on {dev.k_buffer[0].device}, vLLM's KV on "
                              f"{self.layers[0].device}")
-        self.k, self.v = dev.k_buffer, dev.v_buffer
         dv = self.layers[0].device
         self.stream = torch.cuda.Stream(device=dv) if dv.type == "cuda" else None  # copies off the compute stream
+
+    def _check(self, pool, layers: int, what: str) -> None:
+        d = pool.descriptor
+        want = (layers, self.geo.kv_heads, self.geo.head_dim, self.geo.block_size, self.geo.dtype)
+        have = (d.num_layers, d.kv_heads, d.head_dim, d.page_size, pool.k_buffer[0].dtype if pool.k_buffer else None)
+        if d.mla or want != have:
+            raise ValueError(f"radixd connector: the {what}KV geometry differs (layers, kv heads, head dim, page "
+                             f"size, dtype): vLLM has {want}, radixd has {have}; start radixd with matching "
+                             "--layers/--kv-heads/--head-dim/--page-size/--dtype (or --model-config)")
+
+    def _hybrid_plan(self, names: list[str], info: dict) -> list:
+        """Each vLLM layer -> its KV cache group and its buffers in radixd's FULL or SWA pool."""
+        h = info.get("hybrid")
+        if not h or self.pools.swa is None:
+            raise ValueError("radixd connector (hybrid): the radixd server holds a plain model; start it with "
+                             "--hybrid-cache --model-config <this model's config.json>")
+        group_of = {n: g for g, grp in enumerate(self.conn._kv_cache_config.kv_cache_groups) for n in grp.layer_names}
+        full, swa = h["full_layers"], h["swa_layers"]
+        self._check(self.pools.device[0], len(full), "full-attention ")
+        self._check(self.pools.swa, len(swa), "sliding-window ")
+        plan = []
+        for name, kv in zip(names, self.layers):
+            n = int(_LAYER.findall(name)[0])
+            if n in full:
+                pool, i, is_swa = self.pools.device[0], full.index(n), False
+            elif n in swa:
+                pool, i, is_swa = self.pools.swa, swa.index(n), True
+            else:
+                raise ValueError(f"radixd connector (hybrid): layer {name} is neither full-attention nor "
+                                 "sliding-window in radixd's layout of the model")
+            if is_swa != self.conn.groups[group_of[name]].startswith("swa"):
+                raise ValueError(f"radixd connector (hybrid): layer {name} is {'not ' if is_swa else ''}sliding-"
+                                 "window in vLLM but the other way round in radixd's layout")
+            plan.append((kv, group_of[name], pool.k_buffer[i], pool.v_buffer[i], is_swa))
+        return plan
 
     def _copy(self, fn) -> None:
         """Run page copies on the side stream (GPU), ordered after the forward's writes, and wait for them:
@@ -524,27 +638,43 @@ class _Worker:
             fn()
         self.stream.synchronize()
 
-    def _idx(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=self.layers[0].device)
+    def _pairs(self, groups: list[list[int]], pages: list[int], twins: list[int]) -> dict:
+        """(group, swa) -> (vLLM blocks, radixd page first slots), leaving out null blocks (outside a window)
+        and pages without an SWA twin."""
+        dv = self.layers[0].device
+        out = {}
+        for _, g, _, _, swa in self.plan:
+            if (g, swa) in out:
+                continue
+            src = twins if swa else pages
+            kept = [(b, p) for b, p in zip(groups[g], src) if b != 0 and p >= 0] if swa else list(zip(groups[g], src))
+            if kept:
+                b, p = zip(*kept)
+                out[(g, swa)] = (torch.tensor(b, dtype=torch.long, device=dv), torch.tensor(p, dtype=torch.long, device=dv))
+        return out
 
     def load(self, meta: RadixdConnectorMetadata) -> None:
         def run() -> None:
-            for blocks, pages in meta.loads:
-                b, p = self._idx(blocks), self._idx(pages)
-                for i, kv in enumerate(self.layers):
-                    load_blocks(kv, self.geo, b, self.k[i], self.v[i], p)
+            for groups, pages, twins in meta.loads:
+                pairs = self._pairs(groups, pages, twins)
+                for kv, g, k, v, swa in self.plan:
+                    if (g, swa) in pairs:
+                        blocks, starts = pairs[(g, swa)]
+                        load_blocks(kv, self.geo, blocks, k, v, starts)
         if meta.loads:
             self._copy(run)
 
     def save(self, meta: RadixdConnectorMetadata) -> None:
         def run() -> None:
-            for sid, blocks, pages in meta.stores:
-                b, p = self._idx(blocks), self._idx(pages)
-                for i, kv in enumerate(self.layers):
-                    save_blocks(kv, self.geo, b, self.k[i], self.v[i], p)
+            for sid, groups, pages, twins in meta.stores:
+                pairs = self._pairs(groups, pages, twins)
+                for kv, g, k, v, swa in self.plan:
+                    if (g, swa) in pairs:
+                        blocks, starts = pairs[(g, swa)]
+                        save_blocks(kv, self.geo, blocks, k, v, starts)
         if meta.stores:
             self._copy(run)
-            self.done.update(sid for sid, _, _ in meta.stores)
+            self.done.update(sid for sid, _, _, _ in meta.stores)
 
     def report(self) -> Optional[RadixdWorkerMetadata]:
         if not self.done:
@@ -553,7 +683,7 @@ class _Worker:
         return out
 
     def close(self) -> None:
-        self.k = self.v = []
+        self.plan = []
         if self.pools is not None:
             self.pools.close()
             self.pools = None
