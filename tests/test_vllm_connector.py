@@ -233,6 +233,10 @@ def test_a_sliding_window_model_keeps_vllms_hybrid_manager_through_the_hybrid_co
             _engine(gemma3_dir, [P], srv.target, extra=hybrid)
             s = _settled(c)
             assert s["cached_tokens"] == 192 and s["swa_evictable_tokens"] >= 64, s
+            res = _true_kv(gemma3_dir, srv.target)  # what radixd holds is the model's own K and V, per pool
+            assert res["ok"] and [x["pool"] for x in res["layers"]] == ["swa"] * 3 + ["full"], res
+            # transformers' sliding-window cache keeps the last 63 tokens (window - 1): every one of them is compared
+            assert all(x["compared"] >= 63 for x in res["layers"]) and res["layers"][3]["compared"] == 192, res
             b = _engine(gemma3_dir, [P + SUFFIX], srv.target, extra=hybrid)
             assert b[0]["cached"] == 192 and b[0]["tokens"] == reference[0]["tokens"]
             _settled(c)
@@ -316,6 +320,17 @@ def test_overridden_methods_match_the_pinned_vllm_base_class():
     assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == "ok", r.stdout[-2000:] + r.stderr[-2000:]
 
 
+def _true_kv(model_dir: str, target: str) -> dict:
+    """tests/vllm_true_kv.py on P's first 192 tokens: transformers' K and V against radixd's pools."""
+    d = tempfile.mkdtemp(prefix="radixd-truekv-")
+    pj = os.path.join(d, "prompt.json")
+    json.dump(P, open(pj, "w"))
+    r = subprocess.run([VLLM_PY, str(ROOT / "tests" / "vllm_true_kv.py"), model_dir, target, pj, "192"],
+                       capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": ""})
+    assert r.returncode == 0, r.stderr[-4000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
 @needs_vllm
 def test_stored_pages_are_the_models_true_k_and_v(model_dir):
     """After engine A prefills a prompt, radixd's pages hold the model's true K (after RoPE) and V for every
@@ -325,13 +340,7 @@ def test_stored_pages_are_the_models_true_k_and_v(model_dir):
     try:
         with CacheClient(srv.target, name="test") as c:
             _engine(model_dir, [P], srv.target)
-            d = tempfile.mkdtemp(prefix="radixd-truekv-")
-            pj = os.path.join(d, "prompt.json")
-            json.dump(P, open(pj, "w"))
-            r = subprocess.run([VLLM_PY, str(ROOT / "tests" / "vllm_true_kv.py"), model_dir, srv.target, pj, "192"],
-                               capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": ""})
-            assert r.returncode == 0, r.stderr[-4000:]
-            res = json.loads(r.stdout.strip().splitlines()[-1])
+            res = _true_kv(model_dir, srv.target)
             assert res["ok"] and len(res["layers"]) == LAYERS and res["tokens"] == 192, res
             _settled(c)
     finally:

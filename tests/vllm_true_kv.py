@@ -31,21 +31,33 @@ def main() -> None:
     true_k = [cache.layers[i].keys[0].transpose(0, 1) for i in range(layers)]  # [tokens, heads, dim]
     true_v = [cache.layers[i].values[0].transpose(0, 1) for i in range(layers)]
     with CacheClient(target, name="true-kv-reader") as c:
-        m = c.match_prefix(np.asarray(prompt[:n], dtype=np.int32))
+        hybrid = c.info()["hybrid"]
+        if hybrid:  # full-attention layers in the FULL pool, sliding-window layers in the SWA pool (their twins)
+            m = c.match_hybrid([np.asarray(prompt[:n], dtype=np.int32)])[0]
+        else:
+            m = c.match_prefix(np.asarray(prompt[:n], dtype=np.int32))
         assert m.matched_len == n, f"radixd holds {m.matched_len} of the {n} tokens"
         pools = c.map_pools()
-        dev = pools.device[0]
-        idx = torch.from_numpy(np.array(m.indices, dtype=np.int64))
         res = {"tokens": n, "layers": []}
         ok = True
         for i in range(layers):
-            k, v = dev.k_buffer[i][idx].float(), dev.v_buffer[i][idx].float()
-            scale = float(true_k[i].abs().max())
-            dk = float((k - true_k[i]).abs().max())
-            dv = float((v - true_v[i]).abs().max())
+            if hybrid and i in hybrid["swa_layers"]:
+                pool, at, slots = pools.swa, hybrid["swa_layers"].index(i), m.swa_indices
+            else:
+                pool, at, slots = pools.device[0], hybrid["full_layers"].index(i) if hybrid else i, m.indices
+            tk, tv = true_k[i], true_v[i]
+            pos = np.arange(n - len(tk), n)  # a sliding layer's cache may keep only its last tokens
+            keep = slots[pos] >= 0  # SWA twins exist for the window before the end, at least
+            idx = torch.from_numpy(np.array(slots[pos][keep], dtype=np.int64))
+            sel = torch.from_numpy(keep)
+            k, v = pool.k_buffer[at][idx].float(), pool.v_buffer[at][idx].float()
+            scale = float(tk.abs().max())
+            dk = float((k - tk[sel]).abs().max())
+            dv = float((v - tv[sel]).abs().max())
             tol = 1e-4 * max(scale, 1.0)
-            ok &= dk <= tol and dv <= tol
-            res["layers"].append(dict(k=dk, v=dv, scale=scale))
+            ok &= dk <= tol and dv <= tol and int(keep.sum()) > 0
+            res["layers"].append(dict(k=dk, v=dv, scale=scale, compared=int(keep.sum()),
+                                      pool="swa" if pool is pools.swa else "full"))
         pools.close()
     res["ok"] = bool(ok)
     print(json.dumps(res), flush=True)
