@@ -1,0 +1,167 @@
+"""The hybrid cache engine (server/hybrid_core.py) under random scheduler operations (hypothesis), in process:
+two sessions run requests on a FULL + sliding-window + Mamba model (match, lock, copy the state, allocate,
+write, leave the window, checkpoint, finish), with evictions per component and sessions that end mid-request.
+Every value written into a pool names the token prefix it belongs to (computed here, without radixd); every
+hit must read back exactly those values (FULL KV, the window's SWA KV, the copied state), and the engine's
+checker (the hybrid tree's, conservation per pool, tree/pool agreement) must be clean after every step."""
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from radixd.server.errors import Exhausted
+
+from .test_service_hybrid import PAGE, TRI_CONFIG, WINDOW, prefix_values
+
+_BASES = [np.random.default_rng(i).integers(0, 300, 24, dtype=np.int32) for i in range(3)]
+
+
+def _run(coro):
+    return asyncio.get_event_loop().run_until_complete(coro)
+
+
+class HybridCoreMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        import tempfile
+
+        from radixd.server.app import build_core
+        from radixd.server.config import load
+        d = tempfile.mkdtemp(prefix="radixd-hcore-")
+        path = f"{d}/config.json"
+        with open(path, "w") as f:
+            json.dump(TRI_CONFIG, f)
+        cfg = load(dict(model_config=path, hybrid_cache=True, num_slots=320, page_size=PAGE, swa_ratio=0.5,
+                        mamba_states=8, device="cpu", metrics_addr=""))
+        self.core = build_core(cfg, uuid.uuid4().hex)
+        self.full = self.core.device_pools[0].views["k.0"]
+        self.swa = self.core.swa_pool.views["k.0"]
+        self.conv = self.core.state_pool.views["conv.0"]
+        self.sessions = [self.core.attach("a"), self.core.attach("b")]
+        self.running: list[dict] = []
+        self.done: list[np.ndarray] = []  # finished requests' tokens: later turns extend them
+        self.hits = 0
+
+    def teardown(self):
+        for p in self.core.all_pools():
+            p.close()
+
+    def _verify(self, tokens: np.ndarray, m, slot: int) -> None:
+        n = m.matched_len
+        if not n:
+            return
+        want = prefix_values(tokens[:n])
+        assert (self.full[m.indices, 0, 0] == want).all()
+        lo = max(0, n - WINDOW)
+        twins = self.core.swa_twins(m.indices)[lo:n]
+        assert (twins >= 0).all(), "the window before the match end has no SWA KV"
+        assert (self.swa[twins, 0, 0] == want[lo:]).all()
+        assert m.mamba_src >= 0 and (self.conv[m.mamba_src] == want[-1]).all()
+        assert slot >= 0 and (self.conv[slot] == want[-1]).all()
+        self.hits += 1
+
+    @rule(who=st.integers(0, 1), base=st.integers(0, 2), cut=st.integers(0, 24), extra=st.integers(0, 28),
+          seed=st.integers(0, 1000), turn=st.integers(-1, 20))
+    def start(self, who, base, cut, extra, seed, turn):
+        """A request: a shared base's prefix, or (turn) the next turn of a finished one, plus new tokens."""
+        s = self.sessions[who]
+        head = self.done[turn % len(self.done)] if turn >= 0 and self.done else _BASES[base][:cut]
+        tokens = np.concatenate([head, np.random.default_rng(seed).integers(0, 300, extra, dtype=np.int32)])
+        if len(tokens) < PAGE:
+            return
+        try:
+            (m, receipt, slot), = self.core.match_hybrid(s, [(tokens.tobytes(), ("", ""), True, True, False)])
+        except Exhausted:
+            return
+        self._verify(tokens, m, slot)
+        try:
+            full, twins, _, _ = _run(self.core.alloc_slots(s, [len(tokens) - m.matched_len]))
+        except Exhausted:
+            self.core.unlock(s, [receipt])
+            self.core.free_slots(s, np.zeros(0, np.int64), np.array([slot]))
+            return
+        own = full[0]
+        vals = prefix_values(tokens)
+        fresh = vals[m.matched_len:]
+        self.full[own[:len(fresh)], :, :] = fresh[:, None, None]
+        self.swa[twins[0][:len(fresh)], :, :] = fresh[:, None, None]
+        aligned = len(tokens) - len(tokens) % PAGE
+        self.conv[slot] = vals[aligned - 1]
+        self.running.append(dict(s=s, tokens=tokens, indices=np.concatenate([m.indices, own]), prev=m.matched_len,
+                                 receipt=receipt, slot=slot, evicted=0, released=False))
+
+    @precondition(lambda self: self.running)
+    @rule(i=st.integers(0, 10))
+    def leave_window(self, i):
+        r = self.running[i % len(self.running)]
+        n = len(r["tokens"])
+        floor = (n - WINDOW - PAGE) // PAGE * PAGE
+        if r["released"] or floor <= r["prev"]:
+            return
+        own = r["indices"][r["prev"]:floor]
+        assert self.core.free_slots(r["s"], own, None, swa_only=True)[0] == len(own)
+        self.core.unlock(r["s"], [r["receipt"]], swa_only=True)
+        r["evicted"], r["released"] = floor, True
+
+    def _item(self, r, **kw):
+        from radixd.server.core import Item
+        it = Item(r["tokens"], r["indices"], ("", ""), r["prev"], 0, r["receipt"], None, r["evicted"], r["slot"])
+        for k, v in kw.items():
+            setattr(it, k, v)
+        return it
+
+    @precondition(lambda self: self.running)
+    @rule(i=st.integers(0, 10), chunk=st.booleans())
+    def finish(self, i, chunk):
+        r = self.running.pop(i % len(self.running))
+        if chunk and not r["evicted"]:
+            try:
+                (ins, m, receipt), = self.core.cache_unfinished(r["s"], [self._item(r)])
+            except Exhausted:  # no state slot for the fork: the checkpoint is refused, nothing changed
+                self.running.append(r)
+                return
+            aligned = len(r["tokens"]) - len(r["tokens"]) % PAGE
+            assert m.matched_len == aligned
+            r.update(indices=np.concatenate([m.indices, r["indices"][aligned:]]), prev=aligned, receipt=receipt)
+        self.core.cache_finished(r["s"], [self._item(r)])
+        self.done.append(r["tokens"])
+
+    @rule(full=st.integers(0, 40), swa=st.integers(0, 40), mamba=st.integers(0, 2))
+    def evict(self, full, swa, mamba):
+        _run(self.core.evict(full, 0, swa, mamba))
+
+    @rule(who=st.integers(0, 1))
+    def session_ends(self, who):
+        s = self.sessions[who]
+        self.core.end_session(s)
+        self.running = [r for r in self.running if r["s"] is not s]
+        self.sessions[who] = self.core.attach("again")
+
+    @invariant()
+    def consistent(self):
+        assert self.core.check() == []
+        st_ = self.core.stats()
+        assert st_["swa_free_tokens"] + st_["swa_evictable_tokens"] + st_["swa_protected_tokens"] + \
+            st_["swa_held_tokens"] == st_["swa_capacity_tokens"]
+        assert st_["mamba_free"] + st_["mamba_evictable"] + st_["mamba_protected"] + st_["mamba_held"] == \
+            st_["mamba_capacity"]
+
+
+@pytest.fixture(autouse=True)
+def _loop():
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    yield
+    loop.close()
+
+
+HybridCoreMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
+                                               suppress_health_check=[HealthCheck.too_slow])
+TestHybridCore = HybridCoreMachine.TestCase
