@@ -126,17 +126,13 @@ class CacheClient(_Base):
 
     def alloc_hybrid(self, num_tokens: Sequence[int], mamba_states: int = 0) -> codec.Allocated:
         """Hybrid models: FULL slots per size with their SWA twins, and `mamba_states` state slots."""
-        r = self._call("Alloc", pb.AllocRequest(session_id=self.session_id, num_tokens=list(num_tokens),
-                                                mamba_states=mamba_states))
-        return codec.Allocated([codec.slots_array(a.indices) for a in r.allocations],
-                               [codec.slots_array(a.swa_indices) for a in r.allocations], codec.slots_array(r.states),
-                               (r.evicted_tokens, r.swa_evicted_tokens, r.mamba_evicted))
+        return codec.allocated(self._call("Alloc", codec.alloc_hybrid_request(self.session_id, num_tokens,
+                                                                             mamba_states)))
 
     def free_hybrid(self, indices: Any = (), *, states: Any = (), swa_only: bool = False) -> tuple[int, int]:
         """Hybrid models: free held FULL slots (with their SWA twins) or, swa_only, just their SWA twins (decode
         left the window); and held state slots. Returns (slots freed, states freed)."""
-        r = self._call("Free", pb.FreeRequest(session_id=self.session_id, indices=codec.slots_bytes(indices),
-                                              states=codec.slots_bytes(states), swa_only=swa_only))
+        r = self._call("Free", codec.free_hybrid_request(self.session_id, indices, states, swa_only))
         return r.freed, r.freed_states
 
     def match_hybrid(self, keys: Sequence[Any], *, lock: bool = False, mamba_cow: bool = False,
@@ -334,6 +330,24 @@ class AsyncCacheClient(_Base):
 
     async def unlock(self, receipt_ids: Sequence[int]) -> None:
         await self._call("Unlock", pb.UnlockRequest(session_id=self.session_id, receipt_id=list(receipt_ids)))
+
+    async def alloc_hybrid(self, num_tokens: Sequence[int], mamba_states: int = 0) -> codec.Allocated:
+        """Hybrid models: as CacheClient.alloc_hybrid."""
+        return codec.allocated(await self._call("Alloc", codec.alloc_hybrid_request(self.session_id, num_tokens,
+                                                                                   mamba_states)))
+
+    async def free_hybrid(self, indices: Any = (), *, states: Any = (), swa_only: bool = False) -> tuple[int, int]:
+        r = await self._call("Free", codec.free_hybrid_request(self.session_id, indices, states, swa_only))
+        return r.freed, r.freed_states
+
+    async def match_hybrid(self, keys: Sequence[Any], *, lock: bool = False, mamba_cow: bool = False,
+                           skip_mamba: bool = False) -> list[codec.HybridMatch]:
+        return codec.hybrid_matches(await self._call("MatchPrefix", codec.hybrid_match_request(
+            self.session_id, keys, lock, mamba_cow, skip_mamba)))
+
+    async def release_swa(self, receipt_ids: Sequence[int]) -> None:
+        await self._call("Unlock", pb.UnlockRequest(session_id=self.session_id, receipt_id=list(receipt_ids),
+                                                    swa_only=True))
 
     async def cache_finished(self, items: Iterable[dict]) -> list[codec.Inserted]:
         resp = await self._call("CacheFinished", codec.insert_request(pb.CacheFinishedRequest, self.session_id, items))

@@ -170,6 +170,20 @@ def hybrid_matches(resp) -> list[HybridMatch]:
     return out
 
 
+def alloc_hybrid_request(session_id: str, num_tokens: Sequence[int], mamba_states: int):
+    return pb.AllocRequest(session_id=session_id, num_tokens=list(num_tokens), mamba_states=mamba_states)
+
+
+def allocated(r) -> "Allocated":
+    return Allocated([slots_array(a.indices) for a in r.allocations], [slots_array(a.swa_indices) for a in r.allocations],
+                     slots_array(r.states), (r.evicted_tokens, r.swa_evicted_tokens, r.mamba_evicted))
+
+
+def free_hybrid_request(session_id: str, indices: Any, states: Any, swa_only: bool):
+    return pb.FreeRequest(session_id=session_id, indices=slots_bytes(indices), states=slots_bytes(states),
+                          swa_only=swa_only)
+
+
 @dataclass(frozen=True)
 class Allocated:
     """Alloc on a hybrid model: FULL slots per size, their SWA twins (empty without SWA), the state slots."""

@@ -394,3 +394,23 @@ def test_device_mem_sizes_full_tokens_with_their_swa_share_and_the_states_first(
     per_token = slot_bytes_of(cfg) * 1.5  # one full layer, and half a token's worth of the one sliding layer
     budget = (16 << 20) - 10 * lay.state_bytes()
     assert cfg.num_slots % PAGE == 0 and budget - per_token * PAGE < cfg.num_slots * per_token <= budget
+
+
+def test_the_asyncio_client_speaks_the_hybrid_calls(tri):
+    import asyncio
+
+    from radixd.client import AsyncCacheClient
+
+    async def go():
+        async with AsyncCacheClient(tri.target, name="aio") as c:
+            a = await c.alloc_hybrid([12], mamba_states=1)
+            assert len(a.full[0]) == len(a.swa[0]) == 12 and len(a.states) == 1
+            toks = np.arange(500, 512, dtype=np.int32)
+            await c.cache_finished([dict(tokens=toks, indices=a.full[0], mamba_value=int(a.states[0]))])
+            m = (await c.match_hybrid([toks], lock=True, mamba_cow=True))[0]
+            assert m.matched_len == 12 and m.mamba_slot >= 0 and (m.swa_indices >= 0).all()
+            await c.release_swa([m.receipt_id])
+            await c.unlock([m.receipt_id])
+            assert await c.free_hybrid(states=[m.mamba_slot]) == (0, 1)
+            assert await c.check() == []
+    asyncio.run(go())
