@@ -185,15 +185,20 @@ class CacheCore:
             evicted += r.evicted_tokens
         return evicted
 
-    async def alloc_slots(self, s: Session, sizes: list[int]) -> tuple[list[np.ndarray], int]:
-        """Whole pages for each size, held by the session; evicts unlocked leaves when short (and, under
-        write-back, waits for the write-backs that eviction needs)."""
+    def _pages_for_batch(self, sizes: list[int]) -> int:
+        """The pages a batch of allocations needs; refused up front when the batch could never fit."""
         total = sum(sizes)
         if total > self.max_batch_tokens:
             raise BadRequest(f"batch asks for {total} tokens, more than the limit {self.max_batch_tokens}")
         pages = sum(self.alloc.pages_for(n) for n in sizes)
         if pages > self.alloc.capacity // self.alloc.page_size:
             raise Exhausted(f"batch needs {pages} pages, the pool has {self.alloc.capacity // self.alloc.page_size}")
+        return pages
+
+    async def alloc_slots(self, s: Session, sizes: list[int]) -> tuple[list[np.ndarray], int]:
+        """Whole pages for each size, held by the session; evicts unlocked leaves when short (and, under
+        write-back, waits for the write-backs that eviction needs)."""
+        pages = self._pages_for_batch(sizes)
         if self.host is not None:
             evicted = await self.host.make_device_room(pages)
             self.sessions.get(s.session_id)  # the session may have ended while we waited
@@ -206,9 +211,11 @@ class CacheCore:
         self.alloc.move(slots, HELD, FREE, s.owner, check=False)
         return int(slots.size)
 
-    def _check_held(self, s: Session, slots: np.ndarray, what: str = "indices") -> None:
+    def _check_held(self, s: Session, slots: np.ndarray, what: str = "indices",
+                    alloc: Optional[SlotAllocator] = None) -> None:
+        """Every slot held by this session (in `alloc`, the device allocator by default), else PERMISSION_DENIED."""
         try:
-            self.alloc.validate(slots, HELD, s.owner)
+            (alloc or self.alloc).validate(slots, HELD, s.owner)
         except SlotError as e:
             raise Denied(f"{what}: {e}") from None
 
@@ -268,8 +275,7 @@ class CacheCore:
         out = []
         for it in items:
             res, tail = self._insert_one(s, it)
-            if tail.size:
-                self.alloc.move(tail, HELD, FREE, s.owner, check=False)
+            self._free_tail(s, tail)
             if it.receipt:
                 self._release(s, it.receipt)
             out.append(res)
@@ -284,11 +290,20 @@ class CacheCore:
             res, _ = self._insert_one(s, it, chunked=True)
             if it.receipt:
                 self._release(s, it.receipt)
-            m = self.tree.match_prefix(it.tokens, it.ns)
-            receipt = self.tree.lock(m.best_node_id)
+            m, receipt = self._relock(it)
             self.sessions.add_receipt(s, receipt)
             out.append((res, m, receipt))
         return out
+
+    def _free_tail(self, s: Session, tail: np.ndarray) -> None:
+        """A finished request's slots beyond its last whole page go back to the pool."""
+        if tail.size:
+            self.alloc.move(tail, HELD, FREE, s.owner, check=False)
+
+    def _relock(self, it: Item):
+        """A checkpointed request's new prefix, matched and locked."""
+        m = self.tree.match_prefix(it.tokens, it.ns)
+        return m, self.tree.lock(m.best_node_id)
 
     # --------------------------------------------------------- match / lock
     def match(self, s: Optional[Session], items: list[tuple[np.ndarray, Namespace, bool]]):

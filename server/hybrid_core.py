@@ -13,8 +13,8 @@ from typing import Optional
 import numpy as np
 
 from .core import CacheCore, InsertOutcome, Item, Namespace
-from .errors import BadRequest, Conflict, Denied, Exhausted
-from .pools.allocator import FREE, HELD, TREE, SlotAllocator, SlotError
+from .errors import BadRequest, Conflict, Exhausted
+from .pools.allocator import FREE, HELD, TREE, SlotAllocator
 from .pools.hybrid import SwaTranslation
 from .sessions import Session
 from .tree.components import MAMBA, SWA
@@ -127,12 +127,7 @@ class HybridCore(CacheCore):
         session. Returns (FULL slots per size, their SWA slots, state slots, (evicted FULL, SWA, states))."""
         if states and self.states is None:
             raise BadRequest("mamba_states: this model has no state layers")
-        total = sum(sizes)
-        if total > self.max_batch_tokens:
-            raise BadRequest(f"batch asks for {total} tokens, more than the limit {self.max_batch_tokens}")
-        pages = sum(self.alloc.pages_for(n) for n in sizes)
-        if pages > self.alloc.capacity // self.alloc.page_size:
-            raise Exhausted(f"batch needs {pages} pages, the pool has {self.alloc.capacity // self.alloc.page_size}")
+        pages = self._pages_for_batch(sizes)
         if self.swa is not None and pages * self.alloc.page_size > self.swa.swa_capacity:
             raise Exhausted(f"batch needs {pages * self.alloc.page_size} SWA slots, the SWA pool has "
                             f"{self.swa.swa_capacity}")
@@ -170,10 +165,7 @@ class HybridCore(CacheCore):
         return freed, n
 
     def _check_states(self, s: Session, states: np.ndarray, what: str = "states") -> None:
-        try:
-            self.states.validate(states, HELD, s.owner)
-        except SlotError as e:
-            raise Denied(f"{what}: {e}") from None
+        self._check_held(s, states, what, self.states)
 
     # ------------------------------------------------------------------ insert
     def _validate_items(self, s: Session, items: list[Item]) -> None:
@@ -243,31 +235,12 @@ class HybridCore(CacheCore):
         out.mamba_exist = r.mamba_exist
         return out, it.indices[n:]
 
-    def cache_finished(self, s: Session, items: list[Item]) -> list[InsertOutcome]:
-        self._validate_items(s, items)
-        self._check_receipts(s, [it.receipt for it in items if it.receipt])
-        out = []
-        for it in items:
-            res, tail = self._insert_one(s, it)
-            self._free_full(tail)
-            if it.receipt:
-                self._release(s, it.receipt)
-            out.append(res)
-        return out
+    def _free_tail(self, s: Session, tail: np.ndarray) -> None:
+        self._free_full(tail)
 
-    def cache_unfinished(self, s: Session, items: list[Item]):
-        self._validate_items(s, items)
-        self._check_receipts(s, [it.receipt for it in items if it.receipt])
-        out = []
-        for it in items:
-            res, _ = self._insert_one(s, it, chunked=True)
-            if it.receipt:
-                self._release(s, it.receipt)
-            m = self.tree.match_prefix(it.tokens)
-            receipt = self.tree.lock(m.node_id)
-            self.sessions.add_receipt(s, receipt)
-            out.append((res, m, receipt))
-        return out
+    def _relock(self, it: Item):
+        m = self.tree.match_prefix(it.tokens)
+        return m, self.tree.lock(m.node_id)
 
     # ------------------------------------------------------------ match / lock
     def match_hybrid(self, s: Optional[Session], items: list[tuple]) -> list[tuple[HybridMatch, int, int]]:
