@@ -213,38 +213,51 @@ def _overwrite_swa(c: CacheClient, tokens: list[int], lo: int, hi: int) -> None:
     pools.close()
 
 
+@pytest.fixture(scope="module")
+def gptoss_dir():
+    """A tiny gpt-oss: sliding-window (64) and full layers alternating, attention sinks, a 4-expert MoE."""
+    if VLLM_PY is None:
+        pytest.skip("no vLLM venv")
+    d = tempfile.mkdtemp(prefix="radixd-vllm-gptoss-")
+    subprocess.run([VLLM_PY, str(ENGINE), d, "--arch", "gpt-oss"], check=True, timeout=300,
+                   env={**os.environ, "PYTHONPATH": ""})
+    yield d
+
+
 @needs_vllm
-def test_a_sliding_window_model_keeps_vllms_hybrid_manager_through_the_hybrid_connector(gemma3_dir):
-    """RadixdHybridConnector (SupportsHMA): vLLM keeps a block table per KV cache group (3 sliding-window groups
-    with null blocks outside the 64-token window, 1 full-attention group); radixd, started with --hybrid-cache,
-    holds the full-attention layer in its FULL pool and the sliding-window layers in its SWA pool. A second
-    engine hits 192 tokens and generates what an engine without a connector does; overwriting the SWA KV of
-    the window before the hit changes the output, overwriting SWA KV below the window does not (vLLM reads
-    only the window)."""
-    reference = _engine(gemma3_dir, [P + SUFFIX])
+@pytest.mark.parametrize("arch,pools", [("gemma3", ["swa"] * 3 + ["full"]), ("gpt-oss", ["swa", "full"] * 2)])
+def test_a_sliding_window_model_keeps_vllms_hybrid_manager_through_the_hybrid_connector(arch, pools, request):
+    """RadixdHybridConnector (SupportsHMA): vLLM keeps a block table per KV cache group (sliding-window groups
+    with null blocks outside the 64-token window, full-attention groups; Gemma 3 gives 4 groups of 1 layer,
+    gpt-oss 2 groups of 2); radixd, started with --hybrid-cache, holds the full-attention layers in its FULL
+    pool and the sliding-window layers in its SWA pool. A second engine hits 192 tokens and generates what an
+    engine without a connector does; overwriting the SWA KV of the window before the hit changes the output,
+    overwriting SWA KV below the window does not (vLLM reads only the window)."""
+    model = request.getfixturevalue("gemma3_dir" if arch == "gemma3" else "gptoss_dir")
+    reference = _engine(model, [P + SUFFIX])
     srv = ServerProc("--num-slots", "8192", "--page-size", str(BLOCK), "--model-config",
-                     os.path.join(gemma3_dir, "config.json"), "--hybrid-cache", "--swa-ratio", "0.5")
+                     os.path.join(model, "config.json"), "--hybrid-cache", "--swa-ratio", "0.5")
     hybrid = ("--hybrid",)
     try:
         with CacheClient(srv.target, name="test") as c:
             info = c.info()
-            assert info["device_pools"][0].num_layers == 1 and info["swa_pool"].num_layers == 3
-            assert info["hybrid"]["sliding_window"] == 64
-            _engine(gemma3_dir, [P], srv.target, extra=hybrid)
+            assert info["device_pools"][0].num_layers == pools.count("full")
+            assert info["swa_pool"].num_layers == pools.count("swa") and info["hybrid"]["sliding_window"] == 64
+            _engine(model, [P], srv.target, extra=hybrid)
             s = _settled(c)
             assert s["cached_tokens"] == 192 and s["swa_evictable_tokens"] >= 64, s
-            res = _true_kv(gemma3_dir, srv.target)  # what radixd holds is the model's own K and V, per pool
-            assert res["ok"] and [x["pool"] for x in res["layers"]] == ["swa"] * 3 + ["full"], res
+            res = _true_kv(model, srv.target)  # what radixd holds is the model's own K and V, per pool
+            assert res["ok"] and [x["pool"] for x in res["layers"]] == pools, res
             # transformers' sliding-window cache keeps the last 63 tokens (window - 1): every one of them is compared
-            assert all(x["compared"] >= 63 for x in res["layers"]) and res["layers"][3]["compared"] == 192, res
-            b = _engine(gemma3_dir, [P + SUFFIX], srv.target, extra=hybrid)
+            assert all(x["compared"] >= 63 if x["pool"] == "swa" else x["compared"] == 192 for x in res["layers"]), res
+            b = _engine(model, [P + SUFFIX], srv.target, extra=hybrid)
             assert b[0]["cached"] == 192 and b[0]["tokens"] == reference[0]["tokens"]
             _settled(c)
             _overwrite_swa(c, P[:192], 0, 96)  # below the window vLLM loads (the last 2 blocks before 192)
-            same = _engine(gemma3_dir, [P + SUFFIX], srv.target, extra=hybrid)
+            same = _engine(model, [P + SUFFIX], srv.target, extra=hybrid)
             assert same[0]["cached"] == 192 and same[0]["tokens"] == reference[0]["tokens"]
             _overwrite_swa(c, P[:192], 128, 192)  # the window
-            bad = _engine(gemma3_dir, [P + SUFFIX], srv.target, extra=hybrid)
+            bad = _engine(model, [P + SUFFIX], srv.target, extra=hybrid)
             assert bad[0]["cached"] == 192 and bad[0]["tokens"] != reference[0]["tokens"]
             _settled(c)
     finally:

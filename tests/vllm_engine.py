@@ -40,6 +40,16 @@ def build_model(path: str, arch: str = "llama") -> None:
         cfg.architectures = ["Gemma3ForCausalLM"]
         torch.manual_seed(0)
         model = Gemma3ForCausalLM(cfg)
+    elif arch == "gpt-oss":  # alternating sliding (window 64) and full layers, attention sinks, a small MoE
+        from transformers import GptOssConfig, GptOssForCausalLM
+        cfg = GptOssConfig(hidden_size=KV_HEADS * 2 * HEAD_DIM, intermediate_size=128, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, vocab_size=512,
+                           sliding_window=64, num_local_experts=4, num_experts_per_tok=2,
+                           max_position_embeddings=16384, layer_types=["sliding_attention", "full_attention"] * 2,
+                           bos_token_id=1, eos_token_id=2, pad_token_id=0, torch_dtype="float32")
+        cfg.architectures = ["GptOssForCausalLM"]
+        torch.manual_seed(0)
+        model = GptOssForCausalLM(cfg)
     else:
         cfg = LlamaConfig(hidden_size=KV_HEADS * 2 * HEAD_DIM, intermediate_size=256, num_hidden_layers=LAYERS,
                           num_attention_heads=4, num_key_value_heads=KV_HEADS, vocab_size=512,
@@ -63,7 +73,7 @@ def main() -> None:
     ap.add_argument("out", nargs="?")
     ap.add_argument("--radixd", default="")
     ap.add_argument("--hybrid", action="store_true", help="RadixdHybridConnector (vLLM keeps its hybrid manager)")
-    ap.add_argument("--arch", default="llama", choices=["llama", "gemma3"], help="the tiny model to build")
+    ap.add_argument("--arch", default="llama", choices=["llama", "gemma3", "gpt-oss"], help="the tiny model to build")
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--evict-between", action="store_true", help="empty radixd's device tier after each prompt")
