@@ -166,15 +166,20 @@ def test_overwritten_radixd_pages_change_the_output(model_dir, reference):
         srv.stop()
 
 
+def _build(arch: str) -> str:
+    """A tiny seeded model of this architecture (tests/vllm_engine.py), in a fresh folder."""
+    if VLLM_PY is None:
+        pytest.skip("no vLLM venv")
+    d = tempfile.mkdtemp(prefix=f"radixd-vllm-{arch}-")
+    subprocess.run([VLLM_PY, str(ENGINE), d, "--arch", arch], check=True, timeout=300,
+                   env={**os.environ, "PYTHONPATH": ""})
+    return d
+
+
 @pytest.fixture(scope="module")
 def gemma3_dir():
     """A tiny Gemma 3: three sliding-window layers (window 64) and a full-attention one."""
-    if VLLM_PY is None:
-        pytest.skip("no vLLM venv")
-    d = tempfile.mkdtemp(prefix="radixd-vllm-gemma3-")
-    subprocess.run([VLLM_PY, str(ENGINE), d, "--arch", "gemma3"], check=True, timeout=300,
-                   env={**os.environ, "PYTHONPATH": ""})
-    yield d
+    return _build("gemma3")
 
 
 @needs_vllm
@@ -216,12 +221,7 @@ def _overwrite_swa(c: CacheClient, tokens: list[int], lo: int, hi: int) -> None:
 @pytest.fixture(scope="module")
 def gptoss_dir():
     """A tiny gpt-oss: sliding-window (64) and full layers alternating, attention sinks, a 4-expert MoE."""
-    if VLLM_PY is None:
-        pytest.skip("no vLLM venv")
-    d = tempfile.mkdtemp(prefix="radixd-vllm-gptoss-")
-    subprocess.run([VLLM_PY, str(ENGINE), d, "--arch", "gpt-oss"], check=True, timeout=300,
-                   env={**os.environ, "PYTHONPATH": ""})
-    yield d
+    return _build("gpt-oss")
 
 
 @needs_vllm
