@@ -136,11 +136,11 @@ class CacheClient(_Base):
         return r.freed, r.freed_states
 
     def match_hybrid(self, keys: Sequence[Any], *, lock: bool = False, mamba_cow: bool = False,
-                     skip_mamba: bool = False) -> list[codec.HybridMatch]:
-        """Hybrid models: match (and lock); mamba_cow gives each request a state slot of its own, filled with
-        the matched state."""
+                     skip_mamba: bool = False, extra_key: str = "", cache_salt: str = "") -> list[codec.HybridMatch]:
+        """Hybrid models: match (and lock) in a namespace; mamba_cow gives each request a state slot of its own,
+        filled with the matched state."""
         return codec.hybrid_matches(self._call("MatchPrefix", codec.hybrid_match_request(
-            self.session_id, keys, lock, mamba_cow, skip_mamba)))
+            self.session_id, keys, lock, mamba_cow, skip_mamba, extra_key, cache_salt)))
 
     def release_swa(self, receipt_ids: Sequence[int]) -> None:
         """Hybrid models: decode passed the window; release the receipts' SWA (and state) locks, keep FULL's."""
@@ -341,9 +341,10 @@ class AsyncCacheClient(_Base):
         return r.freed, r.freed_states
 
     async def match_hybrid(self, keys: Sequence[Any], *, lock: bool = False, mamba_cow: bool = False,
-                           skip_mamba: bool = False) -> list[codec.HybridMatch]:
+                           skip_mamba: bool = False, extra_key: str = "",
+                           cache_salt: str = "") -> list[codec.HybridMatch]:
         return codec.hybrid_matches(await self._call("MatchPrefix", codec.hybrid_match_request(
-            self.session_id, keys, lock, mamba_cow, skip_mamba)))
+            self.session_id, keys, lock, mamba_cow, skip_mamba, extra_key, cache_salt)))
 
     async def release_swa(self, receipt_ids: Sequence[int]) -> None:
         await self._call("Unlock", pb.UnlockRequest(session_id=self.session_id, receipt_id=list(receipt_ids),

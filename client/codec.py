@@ -151,11 +151,13 @@ class HybridMatch:
     mamba_slot: int
 
 
-def hybrid_match_request(session_id: str, keys: Sequence[Any], lock: bool, mamba_cow: bool, skip_mamba: bool):
+def hybrid_match_request(session_id: str, keys: Sequence[Any], lock: bool, mamba_cow: bool, skip_mamba: bool,
+                         extra_key: str = "", cache_salt: str = ""):
     req = pb.MatchRequest(session_id=session_id)
     add = req.items.add
     for k in keys:
-        add(tokens=tokens_bytes(k), lock=lock, mamba_cow=mamba_cow, skip_mamba=skip_mamba)
+        add(tokens=tokens_bytes(k), lock=lock, mamba_cow=mamba_cow, skip_mamba=skip_mamba, extra_key=extra_key,
+            cache_salt=cache_salt)
     return req
 
 

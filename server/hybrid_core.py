@@ -4,7 +4,7 @@ Same contract as `CacheCore` (every batch is validated whole before anything cha
 locks), plus what the components need: FULL slots come with their SWA twins (radixd's translation, so a worker
 addresses both pools from the FULL slots), a request holds state slots, a match can copy the tree's state into
 the request's own slot (copy-on-write: the tree's state is never written), and every free the tree returns is
-executed per pool. Device tier only, one namespace (the hybrid tree's scope).
+executed per pool. Device tier only; namespaces (extra_key / cache_salt) are the tree's separate roots.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Optional
 
 import numpy as np
 
-from .core import CacheCore, InsertOutcome, Item, Namespace
+from .core import CacheCore, InsertOutcome, Item
 from .errors import BadRequest, Conflict, Exhausted
 from .pools.allocator import FREE, HELD, TREE, SlotAllocator
 from .pools.hybrid import SwaTranslation
@@ -169,8 +169,6 @@ class HybridCore(CacheCore):
 
     # ------------------------------------------------------------------ insert
     def _validate_items(self, s: Session, items: list[Item]) -> None:
-        for i, it in enumerate(items):
-            _plain_namespace(it.ns, i)
         super()._validate_items(s, items)
         page = self.alloc.page_size
         donated = []
@@ -218,7 +216,7 @@ class HybridCore(CacheCore):
                 fork = self.states.alloc(1, s.owner)
                 self.state_pool.copy(np.array([donated]), fork)
                 donated = int(fork[0])
-        r = self.tree.insert(it.tokens[:n], keyed, prev_prefix_len=it.prev_prefix_len,
+        r = self.tree.insert(it.tokens[:n], keyed, prev_prefix_len=it.prev_prefix_len, namespace=it.ns,
                              swa_evicted_seqlen=it.swa_evicted_seqlen, mamba_value=donated)
         freed = r.frees.full_slots()
         self._apply(r.frees)
@@ -239,7 +237,7 @@ class HybridCore(CacheCore):
         self._free_full(tail)
 
     def _relock(self, it: Item):
-        m = self.tree.match_prefix(it.tokens)
+        m = self.tree.match_prefix(it.tokens, it.ns)
         return m, self.tree.lock(m.node_id)
 
     # ------------------------------------------------------------ match / lock
@@ -247,7 +245,6 @@ class HybridCore(CacheCore):
         """Match (lock, and copy the state into a slot of the request's own) per item: (tokens, ns, lock,
         mamba_cow, skip_mamba). Returns (match, receipt, the request's state slot or -1)."""
         for i, (tokens, ns, lock, cow, _) in enumerate(items):
-            _plain_namespace(ns, i)
             if (lock or cow) and s is None:
                 raise BadRequest("lock and mamba_cow need a session (attach first)")
             if cow and self.states is None:
@@ -258,9 +255,9 @@ class HybridCore(CacheCore):
                 raise Exhausted(f"{cows} state slots asked for, the state pool has {self.states.capacity}")
             self._room(0, 0, cows)  # before matching: eviction must not take a state this batch matches
         out = []
-        for tokens, _, lock, cow, skip in items:
+        for tokens, ns, lock, cow, skip in items:
             try:
-                m = self.tree.match_prefix(tokens)
+                m = self.tree.match_prefix(tokens, ns)
             except InvalidInput as e:
                 raise BadRequest(str(e)) from None
             receipt = 0
@@ -393,8 +390,3 @@ class HybridCore(CacheCore):
         if sum(c) != self.alloc.capacity:
             bad.append("free + tree + held + in_flight != capacity")
         return bad
-
-
-def _plain_namespace(ns: Namespace, i: int) -> None:
-    if ns != ("", ""):
-        raise BadRequest(f"item {i}: extra_key / cache_salt namespaces are not supported for hybrid models yet")

@@ -218,6 +218,30 @@ def test_a_plain_client_and_plain_calls_keep_working_on_a_hybrid_server(tri):
         assert c.check() == []
 
 
+def test_namespaces_keep_hybrid_prefixes_apart(tri):
+    """The same tokens cached under a cache_salt, an extra_key and none: each namespace matches only its own pages,
+    state and window; a never-seen namespace matches nothing; evicting a namespace's last prefix leaves nothing
+    of it behind (the checker refuses an empty namespace root)."""
+    toks = np.arange(12, dtype=np.int32)
+    with CacheClient(tri.target, name="ns") as c:
+        own = {}
+        for ns in (dict(), dict(cache_salt="tenant-a"), dict(extra_key="lora-1")):
+            a = c.alloc_hybrid([12], mamba_states=1)
+            ins = c.cache_finished([dict(tokens=toks, indices=a.full[0], mamba_value=int(a.states[0]), **ns)])[0]
+            assert ins.adopted == 12 and not ins.mamba_exist
+            own[tuple(sorted(ns.items()))] = (a.full[0].tolist(), int(a.states[0]))
+        assert len({tuple(v[0]) for v in own.values()}) == 3
+        for key, (slots, state) in own.items():
+            m = c.match_hybrid([toks], lock=True, **dict(key))[0]
+            assert m.matched_len == 12 and m.indices.tolist() == slots and m.mamba_src == state
+            assert (m.swa_indices[-WINDOW // 2:] >= 0).all()
+            c.unlock([m.receipt_id])
+        assert c.match_hybrid([toks], cache_salt="tenant-b")[0].matched_len == 0
+        assert c.match_prefix(toks, extra_key="lora-1").matched_len == 12  # the plain call speaks namespaces too
+        assert c.evict_hybrid(num_tokens=1 << 20)[0] == 36
+        assert c.stats()["num_nodes"] == 0 and c.check() == []
+
+
 def _bad(c, call, request, code, text):
     before = c.stats()
     with pytest.raises(grpc.RpcError) as e:
@@ -248,8 +272,6 @@ def test_bad_hybrid_input_gets_a_precise_status_and_changes_nothing(tri):
         _bad(c, "CacheFinished", pb.CacheFinishedRequest(session_id=sid, items=[
             pb.FinishedItem(tokens=toks, indices=idx, mamba_value=int(a.states[0]), swa_evicted_seqlen=4)]),
             INV, "lost their SWA twins")
-        _bad(c, "MatchPrefix", pb.MatchRequest(session_id=sid, items=[pb.MatchItem(tokens=toks, extra_key="lora")]),
-             INV, "namespaces are not supported for hybrid")
         _bad(c, "Free", pb.FreeRequest(session_id=sid, states=np.array([7], "<i8").tobytes()), DENIED, "states")
         _bad(c, "Evict", pb.EvictRequest(host_tokens=4), CONFLICT, "no host tier")
         _bad(c, "LoadBack", pb.LoadBackRequest(session_id=sid, items=[pb.LoadBackItem(receipt_id=1)]),

@@ -22,7 +22,11 @@ Where radixd differs from SGLang 0.5.23, on purpose:
     rewriting the allocator's mapping;
   * device tier only: SGLang's hybrid HiCache cannot run on CPU (its copies need CUDA kernels), so there is
     nothing to prove a host tier against here; FULL-only models keep radixd's host and L3 tiers;
-  * one namespace, no EAGLE bigram keys.
+  * no EAGLE bigram keys.
+
+Namespaces (extra_key, cache_salt) are separate roots, as in the plain tree: a prefix cached under one is
+never matched under another, a namespace's root goes when its last node does, and its page hashes are seeded
+from the cache_salt (events carry cache_salt and, as lora_name, the extra_key), exactly as the plain tree's.
 """
 from __future__ import annotations
 
@@ -39,7 +43,7 @@ from .errors import InvalidInput, LocksHeld, StaleHandle, UnknownReceipt
 from .events import (CLEARED, GPU, REMOVED, STORED, AllBlocksCleared, BlockRemoved, BlockStored, Coalescer, Event,
                      ReadyEvents)
 from .results import TreeCounters
-from .tree import TokenInput, as_int32
+from .tree import DEFAULT_NS, Namespace, TokenInput, as_int32
 
 _EMPTY64 = np.zeros(0, dtype=np.int64)
 
@@ -48,10 +52,12 @@ class HNode:
     """One edge of the hybrid tree: packed int32 key, FULL slots, SWA presence, MAMBA state slot, locks."""
 
     __slots__ = ("id", "parent", "children", "key", "full", "swa", "mamba", "lock", "slock", "mlock", "suuid",
-                 "atime", "created", "dig", "n")
+                 "atime", "created", "dig", "n", "ns")
 
-    def __init__(self, node_id: int, parent: Optional["HNode"], key: bytes, full: np.ndarray, tick: float):
+    def __init__(self, node_id: int, parent: Optional["HNode"], key: bytes, full: np.ndarray, tick: float,
+                 ns: Namespace = DEFAULT_NS):
         self.id = node_id
+        self.ns = ns
         self.parent = parent
         self.children: dict[bytes, HNode] = {}
         self.key = key
@@ -161,6 +167,7 @@ class HybridTree:
         self.root = HNode(0, None, b"", _EMPTY64, self._tick2())
         self.root.lock = 1  # the root is never evicted
         self._nodes: dict[int, HNode] = {0: self.root}
+        self._roots: dict[Namespace, HNode] = {DEFAULT_NS: self.root}
         self._leaves: set[HNode] = set()
         self._receipts: dict[int, _Receipt] = {}
         self.swa = SwaComponent(self, window) if window else None
@@ -184,9 +191,24 @@ class HybridTree:
         return t
 
     def _new_node(self, parent: HNode, key: bytes, full: np.ndarray) -> HNode:
-        node = HNode(next(self._ids), parent, key, full, self._tick2())
+        node = HNode(next(self._ids), parent, key, full, self._tick2(), parent.ns)
         self._nodes[node.id] = node
         return node
+
+    def _root(self, ns: Namespace, create: bool) -> Optional[HNode]:
+        root = self._roots.get(ns)
+        if root is None and create:
+            root = HNode(next(self._ids), None, b"", _EMPTY64, self._tick2(), ns)
+            root.lock = 1
+            self._roots[ns] = root
+            self._nodes[root.id] = root
+        return root
+
+    def _prune_root(self, root: HNode) -> None:
+        """A namespace root with nothing below it goes: misses and evictions must not leave memory behind."""
+        if not root.children and root.ns != DEFAULT_NS and self._roots.get(root.ns) is root:
+            del self._roots[root.ns]
+            del self._nodes[root.id]
 
     def _is_leaf(self, node: HNode) -> bool:
         return (node.parent is not None and node.full is not None and not node.children
@@ -242,10 +264,14 @@ class HybridTree:
         return upper
 
     # ------------------------------------------------------------- match
-    def match_prefix(self, tokens: TokenInput) -> HybridMatch:
-        """Longest prefix every component can serve; splits the edge it ends inside (as SGLang does)."""
+    def match_prefix(self, tokens: TokenInput, namespace: Namespace = DEFAULT_NS) -> HybridMatch:
+        """Longest prefix every component can serve in this namespace; splits the edge it ends inside (as SGLang
+        does)."""
         kb = self._key(tokens)
-        root = self.root
+        root = self._roots.get(namespace)
+        if root is None:  # a namespace never seen: nothing to match, nothing allocated
+            self.counters.queried_tokens += len(kb) >> 2
+            return HybridMatch(_EMPTY64, 0, self.root.id, 0)
         if not kb:
             return HybridMatch(_EMPTY64, 0, root.id, 0)
         node, off, full_hit = root, 0, 0
@@ -303,7 +329,8 @@ class HybridTree:
 
     # ------------------------------------------------------------- insert
     def insert(self, tokens: TokenInput, slots, *, prev_prefix_len: int = 0, swa_evicted_seqlen: int = 0,
-               mamba_value: int = -1, swa_branching_seqlen: Optional[int] = None) -> HybridInsert:
+               mamba_value: int = -1, swa_branching_seqlen: Optional[int] = None,
+               namespace: Namespace = DEFAULT_NS) -> HybridInsert:
         """Cache a request's prefix. Positions below prev_prefix_len are the tree's already; below
         swa_evicted_seqlen the request freed its SWA twins itself; mamba_value is the state it donates."""
         kb = self._key(tokens)
@@ -318,7 +345,9 @@ class HybridTree:
         if self.mamba is not None and mamba_value < 0:
             raise InvalidInput("this tree has a MAMBA component: every insert donates a state (mamba_value)")
         frees = HybridFrees()
-        root = self.root
+        root = self._root(namespace, create=n > 0)
+        if root is None:
+            return HybridInsert(0, self.root.id, frees, mamba_exist=True)
         root.atime = self._clock_tick()
         if n == 0:
             return HybridInsert(0, root.id, frees, mamba_exist=True)
@@ -405,7 +434,7 @@ class HybridTree:
             raise InvalidInput(f"receipt {rid} holds no SWA window lock" if self.swa is None
                                else f"receipt {rid} already released its SWA window")
         r.swa_released = True
-        if r.node is self.root:
+        if r.node.parent is None:
             return frees
         self.swa.release_window(r.node, r, frees)
         for comp in reversed(self.aux):
@@ -450,6 +479,8 @@ class HybridTree:
         del parent.children[node.key[:self._pb]]
         del self._nodes[node.id]
         self._update_leaf(parent)
+        if parent.parent is None:
+            self._prune_root(parent)
 
     def evict(self, full: int = 0, swa: int = 0, mamba: int = 0) -> HybridEvicted:
         """Free at least this much of each component (whole nodes, so it may overshoot); FULL goes leaf by
@@ -488,7 +519,7 @@ class HybridTree:
             while walker.parent is not None and walker.dig is None:
                 todo.append(walker)
                 walker = walker.parent
-            prior = walker.dig[-32:] if walker.parent is not None else None
+            prior = walker.dig[-32:] if walker.parent is not None else _hashes.salt_seed(walker.ns[1])
             for nd in reversed(todo):
                 nd.dig = _hashes.chain(nd.key, self._pb, prior)
                 prior = nd.dig[-32:]
@@ -509,7 +540,7 @@ class HybridTree:
         else:
             parent = self._digests(node.parent)[-32:] if node.parent.parent is not None else None
             key = node.key
-        self._ev.append((kind, component, dig, parent, key))
+        self._ev.append((kind, component, dig, parent, key, node.ns))
 
     def take_events(self) -> list[Event]:
         """Events since the last call, coalesced. Each carries its component as vLLM's KV cache group:
@@ -522,7 +553,7 @@ class HybridTree:
         out = Coalescer()
         kinds = {FULL: "full_attention", SWA: "sliding_window", MAMBA: "mamba"}
         window = self.swa.window if self.swa is not None else None
-        for kind, comp, dig, parent, key in recs:
+        for kind, comp, dig, parent, key, (lora, salt) in recs:
             if kind == CLEARED:
                 out.push(AllBlocksCleared())
                 continue
@@ -531,7 +562,7 @@ class HybridTree:
             if kind == STORED:
                 out.push(BlockStored(hashes, None if parent is None else _hashes.block_hash(parent),
                                      np.frombuffer(key, "<i4").tolist(), self.page_size, GPU,
-                                     group_idx=group, kv_cache_spec_kind=kinds[comp],
+                                     cache_salt=salt or None, lora_name=lora or None, group_idx=group, kv_cache_spec_kind=kinds[comp],
                                      kv_cache_spec_sliding_window=window if comp == SWA else None))
             else:
                 out.push(BlockRemoved(hashes, GPU, group_idx=group))
@@ -543,7 +574,7 @@ class HybridTree:
         return {c: (self.evictable[c], self.protected[c]) for c in self.components}
 
     def node_count(self) -> int:
-        return len(self._nodes) - 1
+        return len(self._nodes) - len(self._roots)
 
     def held(self) -> dict[str, np.ndarray]:
         """Every slot the tree holds, per component (SWA by FULL slot): for conservation checks."""
@@ -570,10 +601,12 @@ class HybridTree:
 
     raw_events = staticmethod(ReadyEvents)
 
-    def cached_prefix_len(self, tokens: TokenInput, ns=None) -> int:
+    def cached_prefix_len(self, tokens: TokenInput, ns: Namespace = DEFAULT_NS) -> int:
         """Tokens of this key the tree holds FULL KV for (page-aligned); touches nothing, splits nothing."""
         kb = self._key(tokens)
-        node, off = self.root, 0
+        node, off = self._roots.get(ns), 0
+        if node is None:
+            return 0
         while off < len(kb):
             child = node.children.get(kb[off:off + self._pb])
             if child is None:
@@ -604,7 +637,7 @@ class HybridTree:
         self.__init__(page_size, window, chunk, events, cap)
         self._ids, self._rids, self.counters = ids, rids, counters
         if ev is not None:
-            ev.append((CLEARED, FULL, b"", None, b""))
+            ev.append((CLEARED, FULL, b"", None, b"", DEFAULT_NS))
             self._ev = ev
         return held
 
@@ -614,7 +647,7 @@ class HybridTree:
 
     @property
     def num_nodes(self) -> int:
-        return len(self._nodes) - 1
+        return len(self._nodes) - len(self._roots)
 
     @property
     def evictable_size(self) -> int:

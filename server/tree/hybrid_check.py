@@ -40,10 +40,17 @@ def check_hybrid(tree: "HybridTree") -> list[str]:
     seen: set[int] = set()
     want = _expected_locks(tree)
     ps4 = tree.page_size * 4
-    stack: list["HNode"] = [tree.root]
+    stack: list["HNode"] = list(tree._roots.values())
+    for ns, root in tree._roots.items():
+        if root.ns != ns or root.parent is not None or tree._nodes.get(root.id) is not root:
+            bad.append(f"namespace root {root.id} is not filed as the root of {ns}")
+        elif ns != ("", "") and not root.children:
+            bad.append(f"namespace {ns}: an empty root was kept")
     while stack:
         node = stack.pop()
         seen.add(node.id)
+        if node.parent is not None and node.ns != node.parent.ns:
+            bad.append(f"node {node.id}: namespace {node.ns} under a node of {node.parent.ns}")
         for k, child in node.children.items():
             if child.parent is not node:
                 bad.append(f"node {child.id}: parent pointer does not name its parent {node.id}")

@@ -57,12 +57,13 @@ class Lru:
         self.remove(node)
         self._link_after(self.head, node)
 
-    def reset_path_mru(self, node, root, budget: float, has: Callable) -> None:
-        """Move node and its ancestors within `budget` tokens to the front, node first (most recent)."""
+    def reset_path_mru(self, node, budget: float, has: Callable) -> None:
+        """Move node and its ancestors within `budget` tokens to the front, node first (most recent); a root
+        (any namespace's) ends the walk."""
         after = self.head
         used = 0
         prev = self.prev
-        while node is not root and used < budget:
+        while node.parent is not None and used < budget:
             if has(node):
                 if prev[node] is not after:  # already in place (a repeated hit): nothing to move
                     self.remove(node)

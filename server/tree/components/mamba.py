@@ -90,9 +90,7 @@ class MambaComponent(Component):
             excess -= 1
 
     def acquire(self, node: "HNode", receipt) -> None:
-        if receipt.skip_mamba:
-            return
-        if node is self.tree.root:
+        if receipt.skip_mamba or node.parent is None:
             return
         if node.mlock == 0 and node.mamba >= 0:
             self.tree.evictable[MAMBA] -= 1
@@ -100,7 +98,7 @@ class MambaComponent(Component):
         node.mlock += 1
 
     def release(self, node: "HNode", receipt) -> None:
-        if receipt.skip_mamba or node is self.tree.root:
+        if receipt.skip_mamba or node.parent is None:
             return
         if node.mlock <= 0:
             raise AssertionError(f"MAMBA release below zero on node {node.id}")

@@ -62,7 +62,7 @@ class SwaComponent(Component):
         upper.suuid, child.suuid = child.suuid, 0  # the boundary is the segment's older edge
 
     def refresh_match(self, node: "HNode") -> None:
-        self.lru.reset_path_mru(node, self.tree.root, self.window + self.tree.page_size, self.has)
+        self.lru.reset_path_mru(node, self.window + self.tree.page_size, self.has)
 
     refresh_insert = refresh_match
 
@@ -114,10 +114,10 @@ class SwaComponent(Component):
 
     def acquire(self, node: "HNode", receipt) -> None:
         tree = self.tree
-        root, window = tree.root, self.window
+        window = self.window
         covered, boundary = 0, 0
         cur = node
-        while cur is not root and covered < window:
+        while cur.parent is not None and covered < window:
             if cur.slock == 0 and cur.swa:
                 n = cur.n
                 tree.evictable[SWA] -= n
@@ -133,9 +133,8 @@ class SwaComponent(Component):
 
     def _unlock_walk(self, node: "HNode", uuid: int, frees=None) -> None:
         tree = self.tree
-        root = tree.root
         cur = node
-        while cur is not root:
+        while cur.parent is not None:
             if cur.slock <= 0:
                 raise AssertionError(f"SWA release below zero on node {cur.id}")
             cur.slock -= 1
