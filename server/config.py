@@ -463,7 +463,14 @@ def model_geometry(hf: dict[str, Any], tp_size: int = 1, hybrid: bool = False) -
     """KV geometry of a Hugging Face model config: layers, KV heads per TP rank, head dim, dtype, MLA. With
     `hybrid`, `layers` counts the full-attention layers only (the others get pools of their own)."""
     text = hf.get("text_config") or hf  # multimodal configs nest the language model's
-    layers = text["num_hidden_layers"]
+    layers = text.get("num_hidden_layers")  # newer Nemotron-H configs list their layers instead
+    if layers is None:
+        listed = text.get("layers_block_type") or text.get("layer_types") or text.get("hybrid_override_pattern")
+        if not listed:
+            from .layouts import LayoutError
+            raise LayoutError("field 'num_hidden_layers' is missing, and no layer list (layers_block_type, "
+                              "layer_types, hybrid_override_pattern) gives the layer count")
+        layers = len(listed)
     dtype = _HF_DTYPES.get(str(text.get("torch_dtype") or text.get("dtype") or hf.get("torch_dtype") or "bfloat16")
                            .replace("torch.", ""), "bfloat16")
     if text.get("kv_lora_rank"):  # MLA (DeepSeek V2/V3): one latent "head" of rank + rope dims per token

@@ -74,3 +74,15 @@ def test_serve_refuses_a_state_space_hybrid_without_hybrid_cache_in_one_line(nam
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "--model-config" in lines[0] and "hybrid model" in lines[0], r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_a_config_that_lists_its_layers_needs_no_layer_count():
+    """transformers 5 writes Nemotron-H configs with `layers_block_type` and no `num_hidden_layers`."""
+    from radixd.server.config import model_geometry
+    cfg = dict(layers_block_type=["linear_attention", "full_attention", "mlp", "linear_attention"],
+               hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32, mamba_num_heads=4,
+               mamba_head_dim=32, n_groups=1, ssm_state_size=16, conv_kernel=4, torch_dtype="float32")
+    assert model_geometry(cfg, hybrid=True)["layers"] == 1
+    assert model_layout(cfg).state_layers == (0, 3)
+    with pytest.raises(LayoutError, match="'num_hidden_layers' is missing"):
+        model_geometry(dict(hidden_size=128, num_attention_heads=4))
