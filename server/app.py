@@ -112,14 +112,11 @@ def check_gpus(pool_bytes: int, gpus: list[int], free_of=None, what: str = "--nu
 def build_hybrid_core(cfg: Config, instance_id: str, backend: str) -> CacheCore:
     """A hybrid model's three pools (FULL KV, SWA KV, states), their allocators and the hybrid tree."""
     from .hybrid_core import HybridCore
-    from .pools.hybrid import StatePool, SwaTranslation
+    from .pools.hybrid import StatePool, SwaTranslation, state_pool_bytes
     from .tree.hybrid import HybridTree
     lay = cfg._layout
     if len(cfg.gpus) > 1:
         raise StartupError(f"{source_of(cfg, 'hybrid_cache')}: a hybrid model on more than one GPU is not supported yet")
-    if lay.state_layers and backend == "cuda":
-        raise StartupError(f"{source_of(cfg, 'hybrid_cache')}: state pools in GPU memory are not built yet "
-                           "(run with --device cpu)")
     spec = PoolSpec(num_layers=cfg.layers, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, dtype=cfg.dtype,
                     page_size=cfg.page_size, num_slots=cfg.num_slots, mla=cfg.mla)
     swa_spec = None
@@ -130,11 +127,11 @@ def build_hybrid_core(cfg: Config, instance_id: str, backend: str) -> CacheCore:
                                "than one page of SWA KV")
         swa_spec = PoolSpec(num_layers=len(lay.swa_layers), kv_heads=cfg.kv_heads, head_dim=cfg.head_dim,
                             dtype=cfg.dtype, page_size=cfg.page_size, num_slots=swa_slots, mla=cfg.mla)
-    state_bytes = cfg.mamba_states * lay.state_bytes() if lay.state_layers else 0
+    state_bytes = state_pool_bytes(len(lay.state_layers), lay.state, cfg.mamba_states) if lay.state_layers else 0
     if backend == "shm":
         _check_shm(total_bytes(spec) + (total_bytes(swa_spec) if swa_spec else 0) + state_bytes, 0, cfg)
     else:
-        check_gpus(total_bytes(spec) + (total_bytes(swa_spec) if swa_spec else 0), cfg.gpus or [0],
+        check_gpus(total_bytes(spec) + (total_bytes(swa_spec) if swa_spec else 0) + state_bytes, cfg.gpus or [0],
                    what=_device_sources(cfg))
     device_index = (cfg.gpus or [0])[0]
     pools: list = []
@@ -143,7 +140,8 @@ def build_hybrid_core(cfg: Config, instance_id: str, backend: str) -> CacheCore:
         if swa_spec is not None:
             pools.append(KVPool(swa_spec, "swa", instance_id, backend, device_index=device_index))
         if lay.state_layers:
-            pools.append(StatePool(cfg.mamba_states, len(lay.state_layers), lay.state, instance_id))
+            pools.append(StatePool(cfg.mamba_states, len(lay.state_layers), lay.state, instance_id, backend=backend,
+                                   device_index=device_index))
         if cfg.prefault:
             for p in pools:
                 if hasattr(p, "prefault"):

@@ -11,6 +11,8 @@
 """
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from ..layouts import StateSpec
@@ -141,28 +143,49 @@ def state_buffer_table(num_layers: int, state: StateSpec, num_slots: int) -> lis
     return out
 
 
-class StatePool:
-    """One recurrent state per slot for every state layer, in one shared-memory allocation."""
+def state_pool_bytes(num_layers: int, state: StateSpec, num_slots: int) -> int:
+    """Bytes of a state pool's one allocation (every buffer aligned)."""
+    name, off, shape, dtype = state_buffer_table(num_layers, state, num_slots)[-1]
+    return off + int(np.prod(shape)) * DTYPES[dtype][0]
 
-    def __init__(self, num_slots: int, num_layers: int, state: StateSpec, instance_id: str, index: int = 0):
+
+class StatePool:
+    """One recurrent state per slot for every state layer, in one allocation: shared memory (cpu) or cudaMalloc
+    exported over CUDA IPC (cuda), like the KV pools; `views` are numpy or cupy arrays."""
+
+    def __init__(self, num_slots: int, num_layers: int, state: StateSpec, instance_id: str, index: int = 0,
+                 backend: str = "shm", device_index: int = 0):
         if num_slots < 1 or num_layers < 1:
             raise ValueError("a state pool needs at least one slot and one layer")
         self.state, self.num_slots, self.num_layers = state, num_slots, num_layers
+        self.backend = backend
         table = state_buffer_table(num_layers, state, num_slots)
-        name, off, shape, dtype = table[-1]
-        size = off + int(np.prod(shape)) * DTYPES[dtype][0]
-        self._region = ShmRegion(segment_name(instance_id, "state", index), max(size, 1), create=True)
-        raw = np.frombuffer(self._region.mm, dtype=np.uint8)
-        self.views: dict[str, np.ndarray] = {}
+        self.size = state_pool_bytes(num_layers, state, num_slots)
+        self._region: ShmRegion | None = None
+        self._device: Any = None
+        uuid = ""
+        if backend == "shm":
+            self._region = ShmRegion(segment_name(instance_id, "state", index), max(self.size, 1), create=True)
+            raw = np.frombuffer(self._region.mm, dtype=np.uint8)
+            handle = self._region.name.encode()
+        elif backend == "cuda":
+            from .cuda import DeviceAllocation
+            self._device = DeviceAllocation(max(self.size, 1), device_index)
+            raw = self._device.as_uint8()
+            handle, uuid = self._device.ipc_handle, self._device.uuid
+        else:
+            raise ValueError(f"unknown pool backend {backend!r}")
+        self.views: dict[str, Any] = {}
         for name, off, shape, dtype in table:
             storage = np.dtype(DTYPES[dtype][1])
             n = int(np.prod(shape)) * storage.itemsize
             self.views[name] = raw[off:off + n].view(storage).reshape(shape)
         self.descriptor = PoolDescriptor(
-            instance_id=instance_id, tier="state", backend="shm", handle=self._region.name.encode(),
+            instance_id=instance_id, tier="state", backend=backend, handle=handle,
             size_bytes=int(raw.size), dtype=state.temporal_dtype, num_layers=num_layers, kv_heads=1,
             head_dim=1, page_size=1, num_slots=num_slots, mla=False, layout="state",
-            buffers=tuple(BufferDesc(n, o, s, d) for n, o, s, d in table))
+            buffers=tuple(BufferDesc(n, o, s, d) for n, o, s, d in table), gpu_uuid=uuid,
+            device_index=device_index if backend == "cuda" else -1)
 
     @property
     def slot_bytes(self) -> int:
@@ -173,11 +196,17 @@ class StatePool:
         """Copy states slot to slot (copy-on-write at a hit: the tree's state into the request's own slot)."""
         pairs = list(zip(np.asarray(src, dtype=np.int64).tolist(), np.asarray(dst, dtype=np.int64).tolist()))
         for view in self.views.values():
-            for s, d in pairs:  # a slot is one contiguous block per buffer: straight copies, no gather temp
-                np.copyto(view[d], view[s])
+            for s, d in pairs:  # a slot is one contiguous block per buffer: straight copies (device to device on
+                view[d] = view[s]  # a GPU), no gather temp
+        if self._device is not None:  # a worker reads the copy on its own stream as soon as the call returns
+            import cupy
+            cupy.cuda.get_current_stream().synchronize()
 
     def close(self) -> None:
         self.views.clear()
         if self._region is not None:
             self._region.close()
             self._region = None
+        if self._device is not None:
+            self._device.free()
+            self._device = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import uuid
 
+import numpy as np
 import pytest
 
 from radixd.server.pools.cuda import cuda_available
@@ -111,3 +112,43 @@ def test_a_device_pool_beyond_the_gpus_free_memory_fails_the_start_in_one_line(t
                         f"unix:{tmp_path}/s.sock", "--layers", "32", "--kv-heads", "8", "--head-dim", "128",
                         "--page-size", "16", "--num-slots", str(slots)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "on GPU 0" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+def _child_state(desc_dict, slot, value, q):
+    """Write `value` into one state slot (value None: read it back) through CUDA IPC, as a model worker."""
+    from radixd.client.pools import map_pool
+    from radixd.server.pools import PoolDescriptor
+    import torch
+    m = map_pool(PoolDescriptor.from_dict(desc_dict))
+    if value is not None:
+        for buf in m.conv_buffer + m.temporal_buffer:
+            buf[slot] = value
+        torch.cuda.synchronize()
+        q.put(str(m.conv_buffer[0].device))
+    else:
+        q.put([float(b[slot].float().mean()) for b in m.conv_buffer + m.temporal_buffer])
+    m.close()
+
+
+def test_a_state_pool_in_gpu_memory_is_shared_over_cuda_ipc_and_copies_on_the_device():
+    """A hybrid model's state pool on the GPU: a worker writes a state, the server's copy-on-write copies it
+    slot to slot on the device, another worker reads the copy (conv bf16, SSM float32, as Nemotron-H)."""
+    from radixd.server.layouts import StateSpec
+    from radixd.server.pools.hybrid import StatePool
+    state = StateSpec("mamba2", (160, 3), (4, 32, 16), "bfloat16", "float32")
+    pool = StatePool(8, 2, state, uuid.uuid4().hex, backend="cuda")
+    try:
+        d = pool.descriptor
+        assert d.backend == "cuda" and d.gpu_uuid.startswith("GPU-")
+        q = CTX.Queue()
+        p = CTX.Process(target=_child_state, args=(d.to_dict(), 3, 1.5, q))
+        p.start()
+        assert q.get(timeout=120).startswith("cuda")
+        p.join(60)
+        pool.copy(np.array([3]), np.array([5]))
+        p = CTX.Process(target=_child_state, args=(d.to_dict(), 5, None, q))
+        p.start()
+        assert q.get(timeout=120) == [1.5] * 4
+        p.join(60)
+    finally:
+        pool.close()
