@@ -23,7 +23,7 @@ class Lookups:
 
     def __init__(self, client: CacheClient, load_back: bool, stores: "Stores", hybrid: bool = False):
         self.client, self.load_back, self.stores = client, load_back, stores
-        self.hybrid = hybrid  # a hybrid model's server: results are (FULL slots, receipt, their SWA twins)
+        self.hybrid = hybrid  # a hybrid model's server: results are (FULL slots, receipt, SWA twins, state slot)
         self._cv = threading.Condition()
         self._queue: list[tuple[Hashable, np.ndarray, tuple, bool]] = []
         self._done: dict[Hashable, tuple[np.ndarray, int]] = {}
@@ -95,14 +95,15 @@ class Lookups:
             try:
                 self.rpcs += 1
                 if self.hybrid:
-                    for (rid, _, _), m in zip(items, self.client.match_hybrid([t for _, t, _ in items], lock=True)):
-                        out[rid] = (m.indices, m.receipt_id, m.swa_indices)
+                    for (rid, _, _), m in zip(items, self.client.match_hybrid([t for _, t, _ in items], lock=True,
+                                                                              **dict(ns))):
+                        out[rid] = (m.indices, m.receipt_id, m.swa_indices, m.mamba_src)
                     continue
                 matches = self.client.match_batch([t for _, t, _ in items], lock=True, **dict(ns))
             except RadixdError as e:  # radixd down or refusing: misses, never failed requests
                 log.warning("radixd match failed: %s", e)
                 for rid, _, _ in items:
-                    out[rid] = (EMPTY, 0, EMPTY) if self.hybrid else (EMPTY, 0)
+                    out[rid] = (EMPTY, 0, EMPTY, -1) if self.hybrid else (EMPTY, 0)
                 continue
             loads = []
             for (rid, _, lb), m in zip(items, matches):
@@ -149,12 +150,19 @@ class Stores:
     """Publishes, releases and a stock of radixd slots, off an engine's scheduler thread. The thread owns each request's
     radixd lock (prefix slots and receipt) from the moment the scheduler hands it over; operations run in the
     order they were queued, batched per round: one CacheUnfinished for every publish (a request's second
-    publish goes in the next call, as it needs the first's receipt), one Unlock, one Free, one Alloc refill."""
+    publish goes in the next call, as it needs the first's receipt), one Unlock, one Free, one Alloc refill.
+    A model with state layers: each publish donates a state slot (the server keeps a copy of it, the donated slot
+    is freed after the call), so the stock keeps state slots too, and a release is an Unlock."""
 
-    def __init__(self, client: CacheClient, page: int, stock_max: int, linger: float = 0.002, hybrid: bool = False):
+    def __init__(self, client: CacheClient, page: int, stock_max: int, linger: float = 0.002, hybrid: bool = False,
+                 states: int = 0):
         self.client, self.page, self.stock_max, self.linger = client, page, stock_max, linger
         self.hybrid = hybrid  # a hybrid model's server: the stock keeps each page's SWA twin page too
+        self.states_max = states  # most state slots held ready (0: the model has no state layers)
         self._twins = np.zeros((0, page), np.int64)
+        self._states = EMPTY
+        self._want_states = 0
+        self._taken_states = 0
         self._cv = threading.Condition()
         self._ops: list[tuple] = []
         self._held: dict[Hashable, tuple[np.ndarray, int]] = {}  # rid -> (locked prefix slots, receipt)
@@ -178,11 +186,12 @@ class Stores:
         self._put("hold", rid, prefix, receipt)
 
     def publish(self, rid: Hashable, tokens: np.ndarray, start: int, slots: np.ndarray, ns: dict[str, str],
-                finished: bool = False, swa_floor: int = 0) -> None:
+                finished: bool = False, swa_floor: int = 0, state: int = -1) -> None:
         """Attach `slots` (the pages of tokens[start:]) after the request's locked prefix: CacheUnfinished (the
         lock moves to the longer prefix), or CacheFinished when `finished` (the lock goes). Hybrid models:
-        below `swa_floor` the pages have no sliding-window KV."""
-        self._put("publish", rid, tokens, start, slots, ns, finished, swa_floor)
+        below `swa_floor` the pages have no sliding-window KV; `state` is the held slot holding the recurrent
+        state as of the last token (models with state layers)."""
+        self._put("publish", rid, tokens, start, slots, ns, finished, swa_floor, state)
 
     def release(self, rid: Hashable, tokens: Optional[np.ndarray] = None, ns: Optional[dict[str, str]] = None) -> None:
         """Let go of the request's lock: with its tokens, as a finished request (CacheFinished over what it
@@ -193,32 +202,43 @@ class Stores:
         if receipt:
             self._put("unlock", receipt)
 
-    def free(self, slots: np.ndarray) -> None:
+    def free(self, slots: np.ndarray, state: int = -1) -> None:
         if len(slots):
             self._put("free", slots)
+        if state >= 0:
+            self._put("free_state", state)
 
-    def take_pages(self, n: int, wait: float = 0.0) -> Optional[np.ndarray]:
+    def take_pages(self, n: int, wait: float = 0.0, states: int = 0) -> Optional[Any]:
         """n stocked pages (rows of slots), or None when the stock is short (after waiting up to `wait` for
         refills); the stock is kept at twice the most pages asked for between two refills (at most
         `slot_stock_tokens`, or n when n is larger), refilled when it falls to half. For a hybrid model's server,
-        (pages, their SWA twin pages)."""
+        (pages, their SWA twin pages, `states` state slots)."""
         with self._cv:
             self._taken += n
+            self._taken_states += states
             self._want = max(self._want, min(2 * self._taken, max(self.stock_max // self.page, n)))
-            if len(self._stock) < n and wait > 0:
+            if states:
+                self._want_states = max(self._want_states, min(2 * self._taken_states, max(self.states_max, states)))
+
+            def enough() -> bool:
+                return len(self._stock) >= n and len(self._states) >= states
+
+            if not enough() and wait > 0:
                 self._cv.notify_all()
-                self._cv.wait_for(lambda: len(self._stock) >= n or self._stop, wait)
+                self._cv.wait_for(lambda: enough() or self._stop, wait)
             got = None
-            if len(self._stock) >= n:
+            if enough():
                 got, self._stock = self._stock[:n], self._stock[n:]
                 if self.hybrid:
-                    got, self._twins = (got, self._twins[:n]), self._twins[n:]
+                    got = (got, self._twins[:n], self._states[:states])
+                    self._twins, self._states = self._twins[n:], self._states[states:]
             if self._needs_refill():
                 self._cv.notify_all()
             return got
 
     def _needs_refill(self) -> bool:
-        return self._want > 0 and len(self._stock) <= self._want // 2
+        return (self._want > 0 and len(self._stock) <= self._want // 2) or \
+            (self._want_states > 0 and len(self._states) <= self._want_states // 2)
 
     def _run(self) -> None:
         while True:
@@ -248,6 +268,7 @@ class Stores:
         batch: list[tuple] = []  # (rid, item, new slots, finished)
         unlocks: list[int] = []
         frees: list[np.ndarray] = []
+        self._state_frees: list[int] = []
         for op in ops:
             kind, rid = op[0], op[1]
             if kind in ("publish", "release") and any(b[0] == rid for b in batch):
@@ -256,22 +277,26 @@ class Stores:
             if kind == "hold":
                 self._held[rid] = (op[2], op[3])
             elif kind == "publish":
-                _, _, tokens, start, slots, ns, finished, floor = op
+                _, _, tokens, start, slots, ns, finished, floor, state = op
                 prefix, receipt = self._held.get(rid, (EMPTY, 0))
                 if rid in self.refused or start != len(prefix):  # cannot attach: the pages are not kept
                     frees.append(slots)
+                    if state >= 0:
+                        self._state_frees.append(state)
                     self.refused.add(rid)
                     continue
                 item = dict(tokens=tokens, indices=np.concatenate([prefix, slots]), prev_prefix_len=len(prefix),
                             receipt_id=receipt, **ns)
                 if floor > len(prefix):
                     item["swa_evicted_seqlen"] = floor
+                if state >= 0:
+                    item["mamba_value"] = state
                 batch.append((rid, item, slots, finished))
             elif kind == "release":
                 _, _, tokens, ns = op
                 prefix, receipt = self._held.pop(rid, (EMPTY, 0))
                 self.refused.discard(rid)
-                if receipt and tokens is not None and len(prefix):
+                if receipt and tokens is not None and len(prefix) and not self.states_max:
                     batch.append((rid, dict(tokens=tokens[:len(prefix)], indices=prefix, prev_prefix_len=len(prefix),
                                             receipt_id=receipt, **ns), EMPTY, True))
                 elif receipt:
@@ -280,14 +305,21 @@ class Stores:
                 unlocks.append(rid)
             elif kind == "free":
                 frees.append(rid)
+            elif kind == "free_state":
+                self._state_frees.append(rid)
         if batch:
             self._publish(batch, frees, unlocks)
         if unlocks:
             self._unlock(unlocks)
-        if frees:
+        states, self._state_frees = self._state_frees, []
+        if frees or states:
             try:
                 self.rpcs += 1
-                self.client.free(np.concatenate(frees))
+                slots = np.concatenate(frees) if frees else EMPTY
+                if states:
+                    self.client.free_hybrid(slots, states=np.asarray(states, np.int64))
+                else:
+                    self.client.free(slots)
             except RadixdError as e:
                 log.warning("radixd free failed: %s", e)
 
@@ -307,6 +339,8 @@ class Stores:
                 log.warning("radixd publish of %d requests failed: %s", len(part), e)
                 for rid, item, slots, _ in part:
                     frees.append(slots)
+                    if "mamba_value" in item:
+                        self._state_frees.append(item["mamba_value"])
                     if finished:
                         unlocks.append(item["receipt_id"])
                     else:
@@ -316,8 +350,10 @@ class Stores:
                 if finished:
                     self._held.pop(rid, None)
             if not finished:
-                for (rid, _, _, _), (_, m) in zip(part, res):
+                for (rid, item, _, _), (_, m) in zip(part, res):
                     self._held[rid] = (m.indices, m.receipt_id)
+                    if "mamba_value" in item:  # the tree kept a copy (or had a state there): the slot goes back
+                        self._state_frees.append(item["mamba_value"])
 
     def _unlock(self, receipts: list[int]) -> None:
         try:
@@ -334,28 +370,34 @@ class Stores:
 
     def _refill(self) -> None:
         with self._cv:
-            short = self._want - len(self._stock) if self._needs_refill() else 0
-            self._taken = 0
-        if short <= 0:
+            refill = self._needs_refill()
+            short = max(self._want - len(self._stock), 0) if refill else 0
+            short_states = max(self._want_states - len(self._states), 0) if refill else 0
+            self._taken = self._taken_states = 0
+        if short <= 0 and short_states <= 0:
             return
-        twins = None
+        twins, states = None, EMPTY
         try:
             self.rpcs += 1
             if self.hybrid:
-                a = self.client.alloc_hybrid([short * self.page])
+                a = self.client.alloc_hybrid([short * self.page], mamba_states=short_states)
                 got = a.full[0].reshape(-1, self.page).astype(np.int64)
-                twins = a.swa[0].reshape(-1, self.page).astype(np.int64)
+                twins = a.swa[0].reshape(-1, self.page).astype(np.int64) if a.swa[0].size else \
+                    np.full((short, self.page), -1, np.int64)
+                states = a.states.astype(np.int64)
             else:
                 got = self.client.alloc(short * self.page).reshape(-1, self.page).astype(np.int64)
         except RadixdError as e:  # radixd is full of locked pages: stores fall back to Alloc on the scheduler
             log.info("radixd slot stock refill failed: %s", e)
             with self._cv:
                 self._want = len(self._stock)
+                self._want_states = len(self._states)
             return
         with self._cv:
             self._stock = np.concatenate([self._stock, got])
             if twins is not None:
                 self._twins = np.concatenate([self._twins, twins])
+                self._states = np.concatenate([self._states, states])
             self._cv.notify_all()
 
     def idle(self) -> bool:
@@ -378,8 +420,11 @@ class Stores:
                 self._ops.append(("release", rid, None, None))
             stock, self._stock, self._want = self._stock, np.zeros((0, self.page), np.int64), 0
             self._twins = self._twins[:0]
+            states, self._states, self._want_states = self._states, EMPTY, 0
             if len(stock):
                 self._ops.append(("free", stock.reshape(-1)))
+            for st in states.tolist():
+                self._ops.append(("free_state", st))
             self._stop = True
             self._cv.notify_all()
         self._thread.join(timeout=30)

@@ -264,6 +264,62 @@ def test_a_sliding_window_model_keeps_vllms_hybrid_manager_through_the_hybrid_co
         srv.stop()
 
 
+@pytest.fixture(scope="module")
+def nemotron_dir():
+    """A tiny Nemotron-H: Mamba2, attention, MLP, Mamba2 (vLLM groups: 2 Mamba groups and a full one, block 64)."""
+    return _build("nemotron-h")
+
+
+def _overwrite_state(c: CacheClient, tokens: list[int]) -> None:
+    """Random conv and SSM states (seeded) in radixd's state slot at the end of tokens."""
+    m = c.match_hybrid([np.asarray(tokens, dtype=np.int32)])[0]
+    assert m.matched_len == len(tokens) and m.mamba_src >= 0
+    pools = c.map_pools()
+    gen = torch.Generator().manual_seed(7)
+    for bufs in (pools.state.conv_buffer, pools.state.temporal_buffer):
+        for buf in bufs:
+            buf[m.mamba_src] = torch.randn(buf[m.mamba_src].shape, generator=gen) * buf[m.mamba_src].abs().max()
+    pools.close()
+
+
+@needs_vllm
+def test_a_mamba_hybrid_keeps_its_states_in_radixds_state_pool(nemotron_dir):
+    """RadixdHybridConnector on a Mamba2 hybrid (vLLM's align mode: the state as of each 64-token block boundary
+    in its own block): engine A's prefill publishes, at each boundary, its pages and the state there; what radixd
+    holds is transformers' own K/V and conv/SSM states for those tokens; engine B hits 192 tokens (radixd's
+    state at 192 loaded into vLLM's state blocks) and generates what an engine without a connector does; a
+    prompt that leaves P inside a block hits only up to the last state before it (64); a corrupted state changes
+    the output; nothing stays locked or held."""
+    model = nemotron_dir
+    reference = _engine(model, [P + SUFFIX, PARTIAL])
+    srv = ServerProc("--num-slots", "8192", "--page-size", "64", "--model-config", os.path.join(model, "config.json"),
+                     "--hybrid-cache", "--mamba-states", "32")
+    hybrid = ("--hybrid",)
+    try:
+        with CacheClient(srv.target, name="test") as c:
+            info = c.info()
+            assert info["device_pools"][0].num_layers == 1 and info["state_pool"].num_layers == 2
+            assert info["hybrid"]["full_layers"] == [1] and info["hybrid"]["state_layers"] == [0, 3]
+            _engine(model, [P], srv.target, extra=hybrid)
+            s = _settled(c)
+            assert s["cached_tokens"] == 192 and s["mamba_evictable"] == 3 and s["mamba_held"] == 0, s
+            res = _true_kv(model, srv.target, states_every=64)
+            assert res["ok"] and [x["pool"] for x in res["layers"]] == ["full"], res
+            assert [r["tokens"] for r in res["states"]] == [64, 128, 192], res
+            b = _engine(model, [P + SUFFIX], srv.target, extra=hybrid)
+            assert b[0]["cached"] == 192 and b[0]["tokens"] == reference[0]["tokens"]
+            part = _engine(model, [PARTIAL], srv.target, extra=hybrid)  # leaves P at 100: radixd's state at 64
+            assert part[0]["cached"] == 64 and part[0]["tokens"] == reference[1]["tokens"]
+            s = _settled(c)
+            assert s["mamba_evictable"] == 4 and s["mamba_held"] == 0, s  # PARTIAL's state at 128 too
+            _overwrite_state(c, P[:192])
+            bad = _engine(model, [P + SUFFIX], srv.target, extra=hybrid)
+            assert bad[0]["cached"] == 192 and bad[0]["tokens"] != reference[0]["tokens"]
+            _settled(c)
+    finally:
+        srv.stop()
+
+
 @needs_vllm
 def test_a_killed_engine_leaves_no_lock_and_no_slot_behind(model_dir):
     srv = _server(model_dir)
@@ -333,12 +389,14 @@ def test_overridden_methods_match_the_pinned_vllm_base_class():
     assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == "ok", r.stdout[-2000:] + r.stderr[-2000:]
 
 
-def _true_kv(model_dir: str, target: str) -> dict:
-    """tests/vllm_true_kv.py on P's first 192 tokens: transformers' K and V against radixd's pools."""
+def _true_kv(model_dir: str, target: str, states_every: int = 0) -> dict:
+    """tests/vllm_true_kv.py on P's first 192 tokens: transformers' K and V against radixd's pools (and its
+    Mamba states at every `states_every` tokens)."""
     d = tempfile.mkdtemp(prefix="radixd-truekv-")
     pj = os.path.join(d, "prompt.json")
     json.dump(P, open(pj, "w"))
-    r = subprocess.run([VLLM_PY, str(ROOT / "tests" / "vllm_true_kv.py"), model_dir, target, pj, "192"],
+    extra = ["--states-every", str(states_every)] if states_every else []
+    r = subprocess.run([VLLM_PY, str(ROOT / "tests" / "vllm_true_kv.py"), model_dir, target, pj, "192"] + extra,
                        capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": ""})
     assert r.returncode == 0, r.stderr[-4000:]
     return json.loads(r.stdout.strip().splitlines()[-1])

@@ -15,11 +15,12 @@ import sys
 import time
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 2, 2, 32, 32  # the radixd server of the tests uses the same geometry
+MAMBA_BLOCK = 64  # the Nemotron-H model's block (vLLM's align mode needs an attention page >= a state page)
 
 
 def build_model(path: str, arch: str = "llama") -> None:
-    """A deterministic tiny Llama (or Gemma 3: three sliding-window layers of 64 tokens, then a full-attention
-    one) with a tokenizer, written with save_pretrained (no download)."""
+    """A deterministic tiny Llama (or Gemma 3, gpt-oss, Nemotron-H: see each branch) with a tokenizer, written with
+    save_pretrained (no download)."""
     import torch
     from safetensors.torch import save_file
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -50,6 +51,18 @@ def build_model(path: str, arch: str = "llama") -> None:
         cfg.architectures = ["GptOssForCausalLM"]
         torch.manual_seed(0)
         model = GptOssForCausalLM(cfg)
+    elif arch == "nemotron-h":  # Mamba2 (4 heads of 32, state 16), attention, MLP, Mamba2
+        from transformers import NemotronHConfig, NemotronHForCausalLM
+        cfg = NemotronHConfig(hidden_size=KV_HEADS * 2 * HEAD_DIM, intermediate_size=256, num_attention_heads=4,
+                              num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, vocab_size=512,
+                              layers_block_type=["linear_attention", "full_attention", "mlp", "linear_attention"],
+                              mamba_num_heads=4, mamba_head_dim=32, ssm_state_size=16, n_groups=1, conv_kernel=4,
+                              chunk_size=64, max_position_embeddings=16384, bos_token_id=1, eos_token_id=2,
+                              time_step_min=1e-30,  # transformers clamps dt to it, vLLM does not: keep it inert
+                              pad_token_id=0, torch_dtype="float32", mamba_ssm_cache_dtype="float32")
+        cfg.architectures = ["NemotronHForCausalLM"]
+        torch.manual_seed(0)
+        model = NemotronHForCausalLM(cfg)
     else:
         cfg = LlamaConfig(hidden_size=KV_HEADS * 2 * HEAD_DIM, intermediate_size=256, num_hidden_layers=LAYERS,
                           num_attention_heads=4, num_key_value_heads=KV_HEADS, vocab_size=512,
@@ -57,8 +70,9 @@ def build_model(path: str, arch: str = "llama") -> None:
         torch.manual_seed(0)
         model = LlamaForCausalLM(cfg)
     with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(4.0)  # larger weights: greedy output that depends on the whole prompt, not a constant
+        for name, p in model.named_parameters():
+            if name.rsplit(".", 1)[-1] not in ("dt_bias", "A_log", "D"):  # the SSM's own time constants keep theirs
+                p.mul_(4.0)  # larger weights: greedy output that depends on the whole prompt, not a constant
     cfg.save_pretrained(path)
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     if getattr(cfg, "tie_word_embeddings", False):
@@ -73,7 +87,7 @@ def main() -> None:
     ap.add_argument("out", nargs="?")
     ap.add_argument("--radixd", default="")
     ap.add_argument("--hybrid", action="store_true", help="RadixdHybridConnector (vLLM keeps its hybrid manager)")
-    ap.add_argument("--arch", default="llama", choices=["llama", "gemma3", "gpt-oss"], help="the tiny model to build")
+    ap.add_argument("--arch", default="llama", choices=["llama", "gemma3", "gpt-oss", "nemotron-h"], help="the tiny model to build")
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--evict-between", action="store_true", help="empty radixd's device tier after each prompt")
@@ -94,8 +108,13 @@ def main() -> None:
             kv_connector="RadixdHybridConnector" if args.hybrid else "RadixdConnector",
             kv_connector_module_path="radixd.vllm", kv_role="kv_both",
             kv_connector_extra_config={"radixd_target": args.radixd})
+    arch = (json.load(open(os.path.join(args.model_dir, "config.json"))).get("architectures") or [""])[0]
+    if arch == "NemotronHForCausalLM":  # Mamba2 on CPU: a prefill chunk may not cross a block (VLLM_CPU.md)
+        kw.update(block_size=MAMBA_BLOCK, max_num_batched_tokens=MAMBA_BLOCK)
+    else:
+        kw.update(block_size=BLOCK)
     llm = LLM(model=args.model_dir, dtype="float32", enforce_eager=True, max_model_len=args.max_model_len,
-              block_size=BLOCK, enable_prefix_caching=True, kv_cache_memory_bytes=64 << 20, seed=0, **kw)
+              enable_prefix_caching=True, kv_cache_memory_bytes=64 << 20, seed=0, **kw)
     prompts = json.load(open(args.prompts))
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     out = []

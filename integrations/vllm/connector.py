@@ -25,7 +25,10 @@ vLLM keeps its hybrid KV cache manager (a block table per KV cache group, null b
 radixd, started with `--hybrid-cache --model-config` of the same model, holds the full-attention layers in its
 FULL pool and the sliding-window layers in its SWA pool. A hit loads FULL pages into the full-attention
 groups' blocks and the SWA twins of the window into the sliding-window groups' non-null blocks; a store
-copies both. Mamba / linear-attention groups are refused at engine start in one line (not yet).
+copies both. Mamba2 hybrids (vLLM's "align" mode: the state as of each block boundary in its own block) keep
+their states in radixd's state pool: a store at a step that ends on a block boundary donates the state of
+that boundary (radixd keeps a copy), and a hit, which radixd ends where it has a state, loads that state into
+the hit's last state block. The lookup covers the prompt up to its last loadable page only.
 Configure with `kv_connector_extra_config`: `radixd_target` (default `$RADIXD_TARGET` or the default
 socket), `radixd_token`, `load_back` (default true), `lookup_deadline_ms` (default 200),
 `slot_stock_tokens` (the most slots held ready for stores, default 8192).
@@ -33,6 +36,7 @@ socket), `radixd_token`, `load_back` (default true), `lookup_deadline_ms` (defau
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 import time
@@ -70,10 +74,14 @@ SUPPORTED_VLLM = "0.32.0"
 @dataclass
 class RadixdConnectorMetadata(KVConnectorMetadata):
     """One step's copies: loads (vLLM blocks per KV cache group, radixd page first slots, their SWA twins' first
-    slots) and stores (id, blocks per group, pages, SWA twin pages); the twins are empty for a plain model."""
+    slots, radixd's state slot, each group's running state block) and stores (id, blocks per group, pages, SWA
+    twin pages, the state slot to fill); the twins are empty for a plain model, the state -1 without state
+    layers. A state is copied between radixd's slot and the last block of each Mamba group's span (vLLM keeps
+    the state as of block p's end in block p); a load also fills the block the step's forward runs on, as vLLM
+    copied the hit's state block into it before the connector's load."""
 
-    loads: list[tuple[list[list[int]], list[int], list[int]]] = field(default_factory=list)
-    stores: list[tuple[int, list[list[int]], list[int], list[int]]] = field(default_factory=list)
+    loads: list[tuple[list[list[int]], list[int], list[int], int, list[int]]] = field(default_factory=list)
+    stores: list[tuple[int, list[list[int]], list[int], list[int], int]] = field(default_factory=list)
 
 
 @dataclass
@@ -93,6 +101,7 @@ class _Req:
     ns: dict[str, str]
     prefix: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # radixd's hit (locked), for loads
     swa: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # hybrid: the hit's SWA twins
+    state: int = -1  # state layers: radixd's state slot as of the hit's end (pinned by the lock)
     local: int = 0  # vLLM's own computed tokens when matched
     load: Optional[tuple[int, int]] = None  # (first token, tokens) to load this step
     blocks: list[list[int]] = field(default_factory=list)  # vLLM's block ids, per KV cache group
@@ -213,8 +222,9 @@ class RadixdHybridConnector(RadixdConnector, SupportsHMA):
 
 
 def _group_kinds(kv_cache_config: "KVCacheConfig") -> list[str]:
-    """Each KV cache group's kind: "full" or "swa" (with the window); anything else is refused in one line."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+    """Each KV cache group's kind: "full", "swa" (with the window) or "mamba" (Mamba2 states in vLLM's align
+    mode, one state per block boundary); anything else is refused in one line."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
     kinds = []
     for g in kv_cache_config.kv_cache_groups:
         spec = g.kv_cache_spec
@@ -222,9 +232,18 @@ def _group_kinds(kv_cache_config: "KVCacheConfig") -> list[str]:
             kinds.append(f"swa:{spec.sliding_window}")
         elif isinstance(spec, FullAttentionSpec) and not getattr(spec, "sliding_window", None):
             kinds.append("full")
+        elif isinstance(spec, MambaSpec):
+            if spec.mamba_cache_mode != "align" or spec.num_speculative_blocks:
+                raise ValueError(f"radixd connector: Mamba state caching needs vLLM's mamba_cache_mode 'align' "
+                                 f"(prefix caching on) without speculative blocks; this engine has "
+                                 f"'{spec.mamba_cache_mode}' with {spec.num_speculative_blocks} speculative blocks")
+            if len(spec.shapes) != 2:
+                raise ValueError(f"radixd connector: a Mamba layer with {len(spec.shapes)} state tensors (layers "
+                                 f"{g.layer_names[:2]}...); radixd keeps a conv and a temporal state")
+            kinds.append("mamba")
         else:
             raise ValueError(f"radixd connector: KV cache group {type(spec).__name__} (layers {g.layer_names[:2]}...) "
-                             "is not supported yet: only full-attention and sliding-window groups")
+                             "is not supported yet: only full-attention, sliding-window and Mamba groups")
     if "full" not in kinds:
         raise ValueError("radixd connector: the model has no full-attention layer (radixd's tree needs one)")
     return kinds
@@ -318,6 +337,7 @@ class _Scheduler:
             raise ValueError(f"radixd connector: radixd's page size {info['page_size']} != vLLM's block size "
                              f"{self.page}; start radixd with --page-size {self.page}")
         self.hybrid = conn.hma
+        self.swa = any(k.startswith("swa") for k in conn.groups)
         self.full = conn.groups.index("full")  # the group whose block table decides what is stored
         if self.hybrid:
             _check_hybrid_server(info, conn.groups)
@@ -327,7 +347,9 @@ class _Scheduler:
         self.running = 0  # requests past their lookup and not finished: the engine has other work
         self.hits = 0  # tokens loaded from radixd (for tests and logs)
         self.rpcs = 0  # calls made on the scheduler thread
-        self.background = Stores(self.client, self.page, conn.slot_stock, hybrid=self.hybrid)
+        self.mamba = "mamba" in conn.groups  # state layers: every store carries the state as of its end
+        self.background = Stores(self.client, self.page, conn.slot_stock, hybrid=self.hybrid,
+                                 states=8 if self.mamba else 0)
         self.lookups = Lookups(self.client, conn.load_back and not self.hybrid, self.background, hybrid=self.hybrid)
         self.background.first = self.lookups
         self.meter = _Meter()
@@ -343,7 +365,9 @@ class _Scheduler:
         toks = request.prompt_token_ids
         st = _Req(list(toks), _namespace(request))
         self.reqs[rid] = st
-        n = self._align(len(toks))  # every whole page: what radixd has need not be stored again
+        # every whole page: what radixd has need not be stored again; with state layers only up to the last
+        # loadable token, as the state radixd hands back sits exactly at the hit's end
+        n = self._align(len(toks) - 1) if self.mamba else self._align(len(toks))
         if n and self._align(len(toks) - 1):
             st.pending, st.asked = True, time.monotonic()
             self.lookups.submit(rid, np.asarray(toks[:n], dtype=np.int32), st.ns)
@@ -379,10 +403,13 @@ class _Scheduler:
             st.prefix, receipt = res[0], res[1]
             if self.hybrid:
                 st.swa = res[2] if len(res) > 2 else EMPTY
+                st.state = res[3] if len(res) > 3 else -1
             if receipt:
                 self.background.hold(rid, st.prefix, receipt)
             st.planned = len(st.prefix)
         st.local = num_computed
+        if self.mamba and st.state < 0:  # no state to resume from: nothing is loadable
+            return 0
         return max(min(len(st.prefix), self._align(len(st.tokens) - 1)) - num_computed, 0)
 
     def allocated(self, request: "Request", num_external: int) -> None:
@@ -402,7 +429,12 @@ class _Scheduler:
                 start, n = st.load
                 pages = st.prefix[start:start + n:self.page].tolist()
                 twins = st.swa[start:start + n:self.page].tolist() if self.hybrid else []
-                meta.loads.append(([b[start // self.page:(start + n) // self.page] for b in st.blocks], pages, twins))
+                running = []
+                if self.mamba:  # the block vLLM runs this step's state in (align mode: the last one it reaches)
+                    at = -(-(nr.num_computed_tokens + so.num_scheduled_tokens[nr.req_id]) // self.page) - 1
+                    running = [b[at] if k == "mamba" and at < len(b) else 0 for k, b in zip(self.conn.groups, st.blocks)]
+                meta.loads.append(([b[start // self.page:(start + n) // self.page] for b in st.blocks], pages, twins,
+                                   st.state if self.mamba else -1, running))
                 self.hits += n
                 st.load = None
             self._plan(nr.req_id, st, nr.num_computed_tokens + so.num_scheduled_tokens[nr.req_id], meta)
@@ -431,6 +463,9 @@ class _Scheduler:
         if rid in self.background.refused:  # an earlier publish of it failed: its pages cannot attach
             st.storing = False
             return
+        if self.mamba and (computed_after != end or any(
+                b[end // self.page - 1] == 0 for k, b in zip(self.conn.groups, st.blocks) if k == "mamba")):
+            return  # the state as of `end` is only there when the step ends on it (vLLM's align mode)
         self._plans.append((rid, st, start, end))
 
     def _allocate(self, meta: RadixdConnectorMetadata) -> None:
@@ -439,17 +474,19 @@ class _Scheduler:
         if not plans:
             return
         need = [(end - start) // self.page for _, _, start, end in plans]
-        pages = self.background.take_pages(sum(need))
-        twins = None
+        nstates = len(plans) if self.mamba else 0
+        pages = self.background.take_pages(sum(need), states=nstates)
+        twins, states = None, []
         if pages is not None and self.hybrid:
-            pages, twins = pages
+            pages, twins, states = pages
         if pages is None:
             try:
                 self.rpcs += 1
                 if self.hybrid:
-                    a = self.client.alloc_hybrid([sum(need) * self.page])
+                    a = self.client.alloc_hybrid([sum(need) * self.page], mamba_states=nstates)
                     pages = a.full[0].reshape(-1, self.page).astype(np.int64)
-                    twins = a.swa[0].reshape(-1, self.page).astype(np.int64)
+                    twins = a.swa[0].reshape(-1, self.page).astype(np.int64) if a.swa[0].size else None
+                    states = a.states
                 else:
                     pages = self.client.alloc(sum(need) * self.page).reshape(-1, self.page).astype(np.int64)
             except RadixdError as e:  # radixd is full of locked pages: this step's pages are not cached there
@@ -458,16 +495,17 @@ class _Scheduler:
                     st.storing = False
                 return
         at = 0
-        for (rid, st, start, end), n in zip(plans, need):
+        for i, ((rid, st, start, end), n) in enumerate(zip(plans, need)):
             rows = pages[at:at + n]
-            heads = twins[at:at + n, 0].tolist() if twins is not None else []
+            heads = twins[at:at + n, 0].tolist() if twins is not None and self.swa else []
+            state = int(states[i]) if self.mamba else -1
             at += n
             self._next += 1
-            self.stores[self._next] = (rid, start, end, rows.reshape(-1), self._swa_floor(st, start, end))
+            self.stores[self._next] = (rid, start, end, rows.reshape(-1), self._swa_floor(st, start, end), state)
             st.inflight.add(self._next)
             st.planned = end
             meta.stores.append((self._next, [b[start // self.page:end // self.page] for b in st.blocks],
-                                rows[:, 0].tolist(), heads))
+                                rows[:, 0].tolist(), heads, state))
 
     def _swa_floor(self, st: _Req, start: int, end: int) -> int:
         """Hybrid: the end of the last page in [start, end) whose block a sliding-window group has already let go
@@ -488,14 +526,14 @@ class _Scheduler:
             entry = self.stores.pop(sid, None)
             if entry is None:
                 continue
-            rid, start, end, slots, floor = entry
+            rid, start, end, slots, floor, state = entry
             st = self.reqs.get(rid)
             if st is None:
-                self.background.free(slots)
+                self.background.free(slots, state)
                 continue
             st.inflight.discard(sid)
             self.background.publish(rid, np.asarray(st.tokens[:end], dtype=np.int32), start, slots, st.ns,
-                                    swa_floor=floor)
+                                    swa_floor=floor, state=state)
         for rid in [rid for rid, st in self.reqs.items() if st.finished and not st.inflight]:
             self._finish(rid)
 
@@ -531,9 +569,15 @@ class _Scheduler:
 def _check_hybrid_server(info: dict, groups: list[str]) -> None:
     """The radixd server must hold this model's layers the hybrid way, with the same window."""
     h = info.get("hybrid")
-    if not h or not h["swa_layers"]:
+    if not h or not (h["swa_layers"] or h["state_layers"]):
         raise ValueError("radixd connector (hybrid): the radixd server holds a plain model; start it with "
                          "--hybrid-cache --model-config <this model's config.json>")
+    for what, have, want in (("sliding-window", bool(h["swa_layers"]), any(k.startswith("swa") for k in groups)),
+                             ("Mamba state", bool(h["state_layers"]), "mamba" in groups)):
+        if have != want:
+            raise ValueError(f"radixd connector (hybrid): radixd's model {'has' if have else 'has no'} {what} "
+                             f"layers, vLLM's {'has' if want else 'has none'}; start radixd with --model-config "
+                             "<this model's config.json>")
     windows = {int(k.split(":")[1]) for k in groups if k.startswith("swa:")}
     if windows and windows != {h["sliding_window"]}:
         raise ValueError(f"radixd connector (hybrid): vLLM's sliding window {sorted(windows)} != radixd's "
@@ -567,9 +611,17 @@ class _Worker:
         self.done: set[int] = set()
         self.pools = None
         self.plan: list[tuple[torch.Tensor, int, torch.Tensor, torch.Tensor, bool]] = []  # kv, group, k, v, swa
+        # state layers: (group, vLLM's conv and temporal views [blocks, ...], radixd's [slots, ...], conv transposed)
+        self.states: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool]] = []
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         names = sorted(kv_caches, key=lambda n: [int(x) for x in _LAYER.findall(n)] or [0])
+        kinds = self.conn.groups
+        if self.conn.hma:
+            group_of = {n: g for g, grp in enumerate(self.conn._kv_cache_config.kv_cache_groups)
+                        for n in grp.layer_names}
+            state_names = [n for n in names if kinds[group_of[n]] == "mamba"]
+            names = [n for n in names if kinds[group_of[n]] != "mamba"]
         self.layers = [kv_caches[n] for n in names]
         self.geo = geometry(self.layers[0], self.conn.block_size)
         if self.geo.layout == "cpu":
@@ -583,6 +635,7 @@ class _Worker:
         dev = self.pools.device[0]
         if self.conn.hma:
             self.plan = self._hybrid_plan(names, info)
+            self.states = self._state_plan(state_names, kv_caches, info, group_of)
         else:
             self._check(dev, len(self.layers), "")
             self.plan = [(kv, 0, dev.k_buffer[i], dev.v_buffer[i], False) for i, kv in enumerate(self.layers)]
@@ -604,13 +657,14 @@ class _Worker:
     def _hybrid_plan(self, names: list[str], info: dict) -> list:
         """Each vLLM layer -> its KV cache group and its buffers in radixd's FULL or SWA pool."""
         h = info.get("hybrid")
-        if not h or self.pools.swa is None:
+        if not h:
             raise ValueError("radixd connector (hybrid): the radixd server holds a plain model; start it with "
                              "--hybrid-cache --model-config <this model's config.json>")
         group_of = {n: g for g, grp in enumerate(self.conn._kv_cache_config.kv_cache_groups) for n in grp.layer_names}
         full, swa = h["full_layers"], h["swa_layers"]
         self._check(self.pools.device[0], len(full), "full-attention ")
-        self._check(self.pools.swa, len(swa), "sliding-window ")
+        if swa:
+            self._check(self.pools.swa, len(swa), "sliding-window ")
         plan = []
         for name, kv in zip(names, self.layers):
             n = int(_LAYER.findall(name)[0])
@@ -626,6 +680,64 @@ class _Worker:
                                  "window in vLLM but the other way round in radixd's layout")
             plan.append((kv, group_of[name], pool.k_buffer[i], pool.v_buffer[i], is_swa))
         return plan
+
+    def _state_plan(self, names: list[str], kv_caches: dict[str, torch.Tensor], info: dict,
+                    group_of: dict[str, int]) -> list:
+        """Each vLLM Mamba layer -> views of its conv and temporal state per block (vLLM packs both into one raw
+        page per block) and its buffers in radixd's state pool, with the conv state's orientation."""
+        if not names:
+            return []
+        h, pool = info["hybrid"], self.pools.state
+        if pool is None:
+            raise ValueError("radixd connector (hybrid): the radixd server has no state pool")
+        groups = self.conn._kv_cache_config.kv_cache_groups
+        plan = []
+        for name in names:
+            n = int(_LAYER.findall(name)[0])
+            if n not in h["state_layers"]:
+                raise ValueError(f"radixd connector (hybrid): layer {name} is a Mamba layer in vLLM but not a state "
+                                 "layer in radixd's layout of the model")
+            i = h["state_layers"].index(n)
+            spec = groups[group_of[name]].kv_cache_spec
+            pages = kv_caches[name].reshape(kv_caches[name].shape[0], -1)
+            views, off = [], 0
+            for shape, dtype in zip(spec.shapes, spec.dtypes):
+                nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+                views.append(pages[:, off:off + nbytes].view(dtype).view(-1, *shape))
+                off += nbytes
+            conv, temporal = views
+            rconv, rtemp = pool.conv_buffer[i], pool.temporal_buffer[i]
+            if tuple(conv.shape[1:]) == tuple(rconv.shape[1:]):
+                flip = False
+            elif tuple(conv.shape[1:]) == tuple(rconv.shape[1:])[::-1]:
+                flip = True  # vLLM's default (state_len, dim) against radixd's (dim, state_len), as SGLang's
+            else:
+                raise ValueError(f"radixd connector (hybrid): the conv state of {name} is {tuple(conv.shape[1:])} in "
+                                 f"vLLM and {tuple(rconv.shape[1:])} in radixd")
+            if tuple(temporal.shape[1:]) != tuple(rtemp.shape[1:]) or conv.dtype != rconv.dtype or \
+                    temporal.dtype != rtemp.dtype:
+                raise ValueError(f"radixd connector (hybrid): the state of {name} differs: vLLM has conv "
+                                 f"{conv.dtype}, temporal {tuple(temporal.shape[1:])} {temporal.dtype}; radixd has "
+                                 f"conv {rconv.dtype}, temporal {tuple(rtemp.shape[1:])} {rtemp.dtype} (config's "
+                                 "torch_dtype / mamba_ssm_cache_dtype)")
+            plan.append((group_of[name], conv, temporal, rconv, rtemp, flip))
+        return plan
+
+    def _copy_states(self, groups: list[list[int]], slot: int, load: bool, running: Optional[list[int]] = None) -> None:
+        """radixd's state slot <-> the last block of each Mamba group's span (a load: and the running block)."""
+        if slot < 0:
+            return
+        for g, conv, temporal, rconv, rtemp, flip in self.states:
+            block = groups[g][-1] if groups[g] else 0
+            if block == 0:
+                raise RuntimeError(f"radixd connector: no state block in Mamba group {g} ({groups[g]})")
+            if load:
+                for b in {block, running[g] if running else 0} - {0}:
+                    conv[b].copy_(rconv[slot].t() if flip else rconv[slot])
+                    temporal[b].copy_(rtemp[slot])
+            else:
+                rconv[slot].copy_(conv[block].t() if flip else conv[block])
+                rtemp[slot].copy_(temporal[block])
 
     def _copy(self, fn) -> None:
         """Run page copies on the side stream (GPU), ordered after the forward's writes, and wait for them:
@@ -655,26 +767,28 @@ class _Worker:
 
     def load(self, meta: RadixdConnectorMetadata) -> None:
         def run() -> None:
-            for groups, pages, twins in meta.loads:
+            for groups, pages, twins, state, running in meta.loads:
                 pairs = self._pairs(groups, pages, twins)
                 for kv, g, k, v, swa in self.plan:
                     if (g, swa) in pairs:
                         blocks, starts = pairs[(g, swa)]
                         load_blocks(kv, self.geo, blocks, k, v, starts)
+                self._copy_states(groups, state, load=True, running=running)
         if meta.loads:
             self._copy(run)
 
     def save(self, meta: RadixdConnectorMetadata) -> None:
         def run() -> None:
-            for sid, groups, pages, twins in meta.stores:
+            for sid, groups, pages, twins, state in meta.stores:
                 pairs = self._pairs(groups, pages, twins)
                 for kv, g, k, v, swa in self.plan:
                     if (g, swa) in pairs:
                         blocks, starts = pairs[(g, swa)]
                         save_blocks(kv, self.geo, blocks, k, v, starts)
+                self._copy_states(groups, state, load=False)
         if meta.stores:
             self._copy(run)
-            self.done.update(sid for sid, _, _, _ in meta.stores)
+            self.done.update(sid for sid, _, _, _, _ in meta.stores)
 
     def report(self) -> Optional[RadixdWorkerMetadata]:
         if not self.done:
@@ -683,7 +797,7 @@ class _Worker:
         return out
 
     def close(self) -> None:
-        self.plan = []
+        self.plan, self.states = [], []
         if self.pools is not None:
             self.pools.close()
             self.pools = None
