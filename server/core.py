@@ -285,6 +285,7 @@ class CacheCore:
         """Chunked prefill: insert, release the old receipt, re-match and re-lock."""
         self._validate_items(s, items)
         self._check_receipts(s, [it.receipt for it in items if it.receipt])
+        self._reserve_unfinished(items)
         out = []
         for it in items:
             res, _ = self._insert_one(s, it, chunked=True)
@@ -294,6 +295,9 @@ class CacheCore:
             self.sessions.add_receipt(s, receipt)
             out.append((res, m, receipt))
         return out
+
+    def _reserve_unfinished(self, items: list[Item]) -> None:
+        """Make room for whatever the batch will allocate, before any item is applied (a plain model: nothing)."""
 
     def _free_tail(self, s: Session, tail: np.ndarray) -> None:
         """A finished request's slots beyond its last whole page go back to the pool."""

@@ -233,6 +233,13 @@ class HybridCore(CacheCore):
         out.mamba_exist = r.mamba_exist
         return out, it.indices[n:]
 
+    def _reserve_unfinished(self, items: list[Item]) -> None:
+        """Every donated state is forked into the tree: room for all the forks up front, so a shortage refuses
+        the whole batch instead of leaving its first items applied."""
+        forks = sum(1 for it in items if it.mamba_value is not None)
+        if forks:
+            self._room(0, 0, forks)
+
     def _free_tail(self, s: Session, tail: np.ndarray) -> None:
         self._free_full(tail)
 

@@ -288,6 +288,25 @@ def test_bad_hybrid_input_gets_a_precise_status_and_changes_nothing(tri):
              "state pool has 10")
 
 
+def test_a_checkpoint_batch_short_of_state_slots_is_refused_whole(tri):
+    """CacheUnfinished forks each donated state into the tree: two items and one free state slot (nothing
+    evictable) is refused before the first item is applied."""
+    with CacheClient(tri.target, name="forks") as c:
+        a = c.alloc_hybrid([8, 8], mamba_states=2)
+        filler = c.alloc_hybrid([], mamba_states=7)
+        assert c.stats()["mamba_free"] == 1
+        sid = c.session_id
+        items = [pb.FinishedItem(tokens=np.arange(k, k + 8, dtype=np.int32).tobytes(), indices=a.full[i].tobytes(),
+                                   mamba_value=int(a.states[i])) for i, k in enumerate((0, 100))]
+        _bad(c, "CacheUnfinished", pb.CacheUnfinishedRequest(session_id=sid, items=items),
+             grpc.StatusCode.RESOURCE_EXHAUSTED, "need 2 free state slots, 1 free")
+        c.free_hybrid(states=filler.states[:1])
+        res = c.cache_unfinished([dict(tokens=np.arange(k, k + 8, dtype=np.int32), indices=a.full[i],
+                                       mamba_value=int(a.states[i])) for i, k in enumerate((0, 100))])
+        assert len(res) == 2 and c.stats()["mamba_evictable"] + c.stats()["mamba_protected"] == 2
+        assert c.check() == []
+
+
 def test_a_plain_server_refuses_hybrid_fields(server):
     with CacheClient(server.target, name="p") as c:
         _bad(c, "Alloc", pb.AllocRequest(session_id=c.session_id, num_tokens=[4], mamba_states=1),
