@@ -17,6 +17,10 @@ and radixd calls per step made on the scheduler thread (an Alloc when the slot s
 connector's lookup thread (MatchPrefix, LoadBack).
 
     python bench/vllm_bench.py [--lengths 512,1024,2048,4096] [--repeat 3] [--batches 1,16,128]
+                               [--arch nemotron-h]
+
+--arch nemotron-h times the tiny Mamba2 hybrid instead (RadixdHybridConnector, radixd with --hybrid-cache, block
+64): a hit loads the attention pages and the Mamba state at the hit's end.
 
 Last line: RESULT ttft_x_<len>=<C/B> ... miss_overhead_<len>=<A/C> ... sched_p50_us_<miss|hit>_<batch>=...
 max_rpcs_per_step_<miss|hit>_<batch>=...
@@ -50,14 +54,14 @@ def _python() -> str:
 
 
 def _engine(py: str, model: str, prompts: list[list[int]], target: str, max_len: int, batch: int = 1,
-            stats: str = "") -> list[dict]:
+            stats: str = "", hybrid: bool = False) -> list[dict]:
     d = tempfile.mkdtemp(prefix="radixd-vllm-bench-")
     pj, oj = os.path.join(d, "p.json"), os.path.join(d, "o.json")
     json.dump(prompts, open(pj, "w"))
     cmd = [py, str(ENGINE), model, pj, oj, "--max-tokens", "1", "--max-model-len", str(max_len),
            "--batch", str(batch)]
     if target:
-        cmd += ["--radixd", target]
+        cmd += ["--radixd", target] + (["--hybrid"] if hybrid else [])
     if stats:
         cmd += ["--stats", stats]
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": ""}
@@ -80,22 +84,26 @@ def main() -> None:
     ap.add_argument("--batches", default="1,16,128", help="batch sizes for the scheduler-side costs ('' skips)")
     ap.add_argument("--batch-len", type=int, default=256)
     ap.add_argument("--batch-prompts", type=int, default=256)
+    ap.add_argument("--arch", default="llama", choices=["llama", "nemotron-h"])
     args = ap.parse_args()
     py = _python()
     model = tempfile.mkdtemp(prefix="radixd-vllm-bench-model-")
-    subprocess.run([py, str(ENGINE), model], check=True, env={**os.environ, "PYTHONPATH": ""})
+    subprocess.run([py, str(ENGINE), model, "--arch", args.arch], check=True, env={**os.environ, "PYTHONPATH": ""})
+    hybrid = args.arch != "llama"
+    block = 64 if hybrid else BLOCK  # the Nemotron-H engine's block (tests/vllm_engine.py)
+    extra = ("--hybrid-cache", "--mamba-states", "2048") if hybrid else ()  # a state per block: keep them all
     lengths = [int(x) for x in args.lengths.split(",")]
     rng = random.Random(7)
     warm = [rng.randrange(3, 512) for _ in range(40)]
     per = args.repeat + 1  # the first prompt of each length warms that shape up and is not counted
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in lengths for _ in range(per)]
-    max_len = max(lengths) + 2 * BLOCK
-    srv = ServerProc("--num-slots", str(max(65536, 2 * sum(map(len, prompts)))), "--page-size", str(BLOCK),
-                     "--model-config", os.path.join(model, "config.json"))
+    max_len = max(lengths) + 2 * block
+    srv = ServerProc("--num-slots", str(max(65536, 2 * sum(map(len, prompts)))), "--page-size", str(block),
+                     "--model-config", os.path.join(model, "config.json"), *extra)
     try:
         c = _engine(py, model, [warm] + prompts, "", max_len)[1:]
-        a = _engine(py, model, [warm] + prompts, srv.target, max_len)[1:]
-        b = _engine(py, model, [warm] + prompts, srv.target, max_len)[1:]  # its warm-up is a hit: loads warmed
+        a = _engine(py, model, [warm] + prompts, srv.target, max_len, hybrid=hybrid)[1:]
+        b = _engine(py, model, [warm] + prompts, srv.target, max_len, hybrid=hybrid)[1:]  # warm-up hits: loads warmed
     finally:
         srv.stop()
     results = {}
@@ -123,12 +131,15 @@ def _scheduler_side(py: str, model: str, args) -> dict[str, float]:
     print(f"\n{'batch':>5} {'mode':>4} {'requests':>8} {'steps':>6} {'p50 us':>8} {'p99 us':>8} {'busy p50':>8} "
           f"{'busy p99':>8} {'rpcs/step max':>13} {'mean':>5} {'lookup rpcs/step max':>20} {'mean':>5}")
     for batch in [int(x) for x in args.batches.split(",")]:
+        block = 64 if args.arch != "llama" else BLOCK
         srv = ServerProc("--num-slots", str(max(65536, 2 * args.batch_len * args.batch_prompts)),
-                         "--page-size", str(BLOCK), "--model-config", os.path.join(model, "config.json"))
+                         "--page-size", str(block), "--model-config", os.path.join(model, "config.json"),
+                         *(("--hybrid-cache", "--mamba-states", "2048") if args.arch != "llama" else ()))
         try:
             for mode in ("miss", "hit"):  # the first engine stores every prompt, the second finds them all
                 path = tempfile.mktemp(prefix="radixd-vllm-stats-")
-                _engine(py, model, prompts, srv.target, args.batch_len + 2 * BLOCK, batch, path)
+                _engine(py, model, prompts, srv.target, args.batch_len + 2 * block, batch, path,
+                        hybrid=args.arch != "llama")
                 st = json.load(open(path))
                 print(f"{batch:5d} {mode:>4} {st['requests']:8d} {st['steps']:6d} {st['p50_us']:8.0f} "
                       f"{st['p99_us']:8.0f} {st['busy_p50_us']:8.0f} {st['busy_p99_us']:8.0f} {st['max_rpcs_per_step']:13d} {st['mean_rpcs_per_step']:5.2f} "

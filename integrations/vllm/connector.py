@@ -463,8 +463,8 @@ class _Scheduler:
         if rid in self.background.refused:  # an earlier publish of it failed: its pages cannot attach
             st.storing = False
             return
-        if self.mamba and (computed_after != end or any(
-                b[end // self.page - 1] == 0 for k, b in zip(self.conn.groups, st.blocks) if k == "mamba")):
+        if self.mamba and (computed_after != end or any(len(b) < end // self.page or b[end // self.page - 1] == 0
+                                                        for k, b in zip(self.conn.groups, st.blocks) if k == "mamba")):
             return  # the state as of `end` is only there when the step ends on it (vLLM's align mode)
         self._plans.append((rid, st, start, end))
 
