@@ -28,7 +28,8 @@ groups' blocks and the SWA twins of the window into the sliding-window groups' n
 copies both. Mamba2 hybrids (vLLM's "align" mode: the state as of each block boundary in its own block) keep
 their states in radixd's state pool: a store at a step that ends on a block boundary donates the state of
 that boundary (radixd keeps a copy), and a hit, which radixd ends where it has a state, loads that state into
-the hit's last state block. The lookup covers the prompt up to its last loadable page only.
+the hit's last state block and into the block the step's forward runs on (vLLM filled that one from the hit's
+block before the connector's load). The lookup covers the prompt up to its last loadable page only.
 Configure with `kv_connector_extra_config`: `radixd_target` (default `$RADIXD_TARGET` or the default
 socket), `radixd_token`, `load_back` (default true), `lookup_deadline_ms` (default 200),
 `slot_stock_tokens` (the most slots held ready for stores, default 8192).
