@@ -20,7 +20,8 @@ connector's lookup thread (MatchPrefix, LoadBack).
                                [--arch nemotron-h]
 
 --arch nemotron-h times the tiny Mamba2 hybrid instead (RadixdHybridConnector, radixd with --hybrid-cache, block
-64): a hit loads the attention pages and the Mamba state at the hit's end.
+64): a hit loads the attention pages and the Mamba state at the hit's end; --mamba-chunk sets how often a miss
+publishes a state (radixd's checkpoint interval).
 
 Last line: RESULT ttft_x_<len>=<C/B> ... miss_overhead_<len>=<A/C> ... sched_p50_us_<miss|hit>_<batch>=...
 max_rpcs_per_step_<miss|hit>_<batch>=...
@@ -85,13 +86,15 @@ def main() -> None:
     ap.add_argument("--batch-len", type=int, default=256)
     ap.add_argument("--batch-prompts", type=int, default=256)
     ap.add_argument("--arch", default="llama", choices=["llama", "nemotron-h"])
+    ap.add_argument("--mamba-chunk", type=int, default=0, help="radixd's --mamba-chunk (nemotron-h): tokens between "
+                                                               "published states (0: the config's chunk_size)")
     args = ap.parse_args()
     py = _python()
     model = tempfile.mkdtemp(prefix="radixd-vllm-bench-model-")
     subprocess.run([py, str(ENGINE), model, "--arch", args.arch], check=True, env={**os.environ, "PYTHONPATH": ""})
     hybrid = args.arch != "llama"
     block = 64 if hybrid else BLOCK  # the Nemotron-H engine's block (tests/vllm_engine.py)
-    extra = ("--hybrid-cache", "--mamba-states", "2048") if hybrid else ()  # a state per block: keep them all
+    extra = ("--hybrid-cache", "--mamba-states", "2048", "--mamba-chunk", str(args.mamba_chunk)) if hybrid else ()
     lengths = [int(x) for x in args.lengths.split(",")]
     rng = random.Random(7)
     warm = [rng.randrange(3, 512) for _ in range(40)]
@@ -134,7 +137,8 @@ def _scheduler_side(py: str, model: str, args) -> dict[str, float]:
         block = 64 if args.arch != "llama" else BLOCK
         srv = ServerProc("--num-slots", str(max(65536, 2 * args.batch_len * args.batch_prompts)),
                          "--page-size", str(block), "--model-config", os.path.join(model, "config.json"),
-                         *(("--hybrid-cache", "--mamba-states", "2048") if args.arch != "llama" else ()))
+                         *(("--hybrid-cache", "--mamba-states", "2048", "--mamba-chunk", str(args.mamba_chunk))
+                           if args.arch != "llama" else ()))
         try:
             for mode in ("miss", "hit"):  # the first engine stores every prompt, the second finds them all
                 path = tempfile.mktemp(prefix="radixd-vllm-stats-")

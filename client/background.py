@@ -151,8 +151,9 @@ class Stores:
     radixd lock (prefix slots and receipt) from the moment the scheduler hands it over; operations run in the
     order they were queued, batched per round: one CacheUnfinished for every publish (a request's second
     publish goes in the next call, as it needs the first's receipt), one Unlock, one Free, one Alloc refill.
-    A model with state layers: each publish donates a state slot (the server keeps a copy of it, the donated slot
-    is freed after the call), so the stock keeps state slots too, and a release is an Unlock."""
+    A model with state layers: each publish donates a state slot (the server keeps a copy of it, and the slot goes
+    back into the stock after the call: no Free, no refill), so the stock keeps state slots too, and a release is
+    an Unlock."""
 
     def __init__(self, client: CacheClient, page: int, stock_max: int, linger: float = 0.002, hybrid: bool = False,
                  states: int = 0):
@@ -350,10 +351,14 @@ class Stores:
                 if finished:
                     self._held.pop(rid, None)
             if not finished:
+                reuse = []
                 for (rid, item, _, _), (_, m) in zip(part, res):
                     self._held[rid] = (m.indices, m.receipt_id)
-                    if "mamba_value" in item:  # the tree kept a copy (or had a state there): the slot goes back
-                        self._state_frees.append(item["mamba_value"])
+                    if "mamba_value" in item:  # the tree kept a copy (or had a state there): the slot is ours
+                        reuse.append(item["mamba_value"])  # again, back into the stock for the next store
+                if reuse:
+                    with self._cv:
+                        self._states = np.concatenate([self._states, np.asarray(reuse, np.int64)])
 
     def _unlock(self, receipts: list[int]) -> None:
         try:

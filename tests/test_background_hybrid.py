@@ -1,5 +1,6 @@
 """The engines' background threads (`radixd.client.background`) against a real hybrid server: lookups hand back
-the state slot at a hit's end, publishes donate a state each and give the donated slot back, releases of a
+the state slot at a hit's end, publishes donate a state each and put the donated slot back into the stock,
+releases of a
 model with states unlock, and nothing stays held or locked. The vLLM connector's Mamba path rests on these."""
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def test_publishes_donate_states_and_give_the_donated_slots_back(server):
         _settle(stores, lookups)
         s = probe.stats()
         assert s["receipts"] == 0 and s["mamba_evictable"] == 2, s
-        assert s["mamba_held"] == len(stores._states), s  # only the stock: donated slots went back
+        assert s["mamba_held"] == len(stores._states), s  # only the stock: donated slots went back into it
         for n, mark in ((8, 1.0), (16, 2.0)):  # the tree kept a copy of each donated state at its end
             m = probe.match_hybrid([toks[:n]])[0]
             assert m.matched_len == n and m.mamba_src >= 0 and float(conv[m.mamba_src].min()) == mark

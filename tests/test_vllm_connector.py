@@ -289,7 +289,7 @@ def test_a_mamba_hybrid_keeps_its_states_in_radixds_state_pool(nemotron_dir):
     holds is transformers' own K/V and conv/SSM states for those tokens; engine B hits 192 tokens (radixd's
     state at 192 loaded into vLLM's state blocks) and generates what an engine without a connector does; a
     prompt that leaves P inside a block hits only up to the last state before it (64); a corrupted state changes
-    the output; nothing stays locked or held."""
+    the output; nothing stays locked or held. With radixd's --mamba-chunk 128 a miss publishes fewer states."""
     model = nemotron_dir
     reference = _engine(model, [P + SUFFIX, PARTIAL])
     srv = ServerProc("--num-slots", "8192", "--page-size", "64", "--model-config", os.path.join(model, "config.json"),
@@ -315,6 +315,20 @@ def test_a_mamba_hybrid_keeps_its_states_in_radixds_state_pool(nemotron_dir):
             _overwrite_state(c, P[:192])
             bad = _engine(model, [P + SUFFIX], srv.target, extra=hybrid)
             assert bad[0]["cached"] == 192 and bad[0]["tokens"] != reference[0]["tokens"]
+            _settled(c)
+    finally:
+        srv.stop()
+    # radixd's checkpoint interval (--mamba-chunk 128): a miss publishes states at 128 and at the prompt's last
+    # block boundary (192) only, and a hit still resumes exactly
+    srv = ServerProc("--num-slots", "8192", "--page-size", "64", "--model-config", os.path.join(model, "config.json"),
+                     "--hybrid-cache", "--mamba-states", "32", "--mamba-chunk", "128")
+    try:
+        with CacheClient(srv.target, name="test") as c:
+            _engine(model, [P], srv.target, extra=hybrid)
+            s = _settled(c)
+            assert s["cached_tokens"] == 192 and s["mamba_evictable"] == 2, s
+            b = _engine(model, [P + SUFFIX], srv.target, extra=hybrid)
+            assert b[0]["cached"] == 192 and b[0]["tokens"] == reference[0]["tokens"]
             _settled(c)
     finally:
         srv.stop()

@@ -29,7 +29,8 @@ copies both. Mamba2 hybrids (vLLM's "align" mode: the state as of each block bou
 their states in radixd's state pool: a store at a step that ends on a block boundary donates the state of
 that boundary (radixd keeps a copy), and a hit, which radixd ends where it has a state, loads that state into
 the hit's last state block and into the block the step's forward runs on (vLLM filled that one from the hit's
-block before the connector's load). The lookup covers the prompt up to its last loadable page only.
+block before the connector's load). The lookup covers the prompt up to its last loadable page only. States are
+published every radixd `--mamba-chunk` tokens (rounded to whole blocks) and at the prompt's last block boundary.
 Configure with `kv_connector_extra_config`: `radixd_target` (default `$RADIXD_TARGET` or the default
 socket), `radixd_token`, `load_back` (default true), `lookup_deadline_ms` (default 200),
 `slot_stock_tokens` (the most slots held ready for stores, default 8192).
@@ -342,6 +343,10 @@ class _Scheduler:
         self.full = conn.groups.index("full")  # the group whose block table decides what is stored
         if self.hybrid:
             _check_hybrid_server(info, conn.groups)
+        # states are published where radixd wants its checkpoints (--mamba-chunk, on block boundaries) and at the
+        # prompt's last block boundary: a longer chunk, fewer publishes on a miss, coarser hits inside a prefix
+        chunk = (info.get("hybrid") or {}).get("mamba_chunk") or self.page
+        self.checkpoint = self.page * chunk // math.gcd(self.page, chunk)
         self.reqs: dict[str, _Req] = {}
         self.stores: dict[int, tuple[str, int, int, np.ndarray]] = {}  # id -> (request, start, end, slots)
         self._next = 0
@@ -465,7 +470,8 @@ class _Scheduler:
             st.storing = False
             return
         if self.mamba and (computed_after != end or any(len(b) < end // self.page or b[end // self.page - 1] == 0
-                                                        for k, b in zip(self.conn.groups, st.blocks) if k == "mamba")):
+                                                        for k, b in zip(self.conn.groups, st.blocks) if k == "mamba")
+                           or (end % self.checkpoint and end != self._align(len(st.tokens)))):
             return  # the state as of `end` is only there when the step ends on it (vLLM's align mode)
         self._plans.append((rid, st, start, end))
 
