@@ -509,7 +509,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("capacity_tokens", "free_tokens", "cached_tokens", "evictable_tokens", "protected_tokens", "held_tokens", "in_flight_tokens", "num_nodes", "sessions", "hit_tokens_total", "queried_tokens_total", "evicted_tokens_total", "host_capacity_tokens", "host_free_tokens", "host_cached_tokens", "receipts", "host_evictable_tokens", "host_protected_tokens", "host_in_flight_tokens", "host_hit_tokens_total", "backup_tokens_total", "load_back_tokens_total", "host_evicted_tokens_total", "transfers_in_flight", "transfer_failures_total", "storage_hit_tokens_total", "storage_put_pages_total", "storage_get_pages_total", "storage_put_skipped_pages_total", "storage_put_bytes_total", "storage_get_bytes_total", "storage_errors_total", "prefetches_in_flight", "swa_capacity_tokens", "swa_free_tokens", "swa_held_tokens", "swa_evictable_tokens", "swa_protected_tokens", "mamba_capacity", "mamba_free", "mamba_held", "mamba_evictable", "mamba_protected")
+    __slots__ = ("capacity_tokens", "free_tokens", "cached_tokens", "evictable_tokens", "protected_tokens", "held_tokens", "in_flight_tokens", "num_nodes", "sessions", "hit_tokens_total", "queried_tokens_total", "evicted_tokens_total", "host_capacity_tokens", "host_free_tokens", "host_cached_tokens", "receipts", "host_evictable_tokens", "host_protected_tokens", "host_in_flight_tokens", "host_hit_tokens_total", "backup_tokens_total", "load_back_tokens_total", "host_evicted_tokens_total", "transfers_in_flight", "transfer_failures_total", "storage_hit_tokens_total", "storage_put_pages_total", "storage_get_pages_total", "storage_put_skipped_pages_total", "storage_put_bytes_total", "storage_get_bytes_total", "storage_errors_total", "prefetches_in_flight", "swa_capacity_tokens", "swa_free_tokens", "swa_held_tokens", "swa_evictable_tokens", "swa_protected_tokens", "mamba_capacity", "mamba_free", "mamba_held", "mamba_evictable", "mamba_protected", "host_swa_capacity_tokens", "host_swa_free_tokens", "host_swa_cached_tokens", "host_mamba_capacity", "host_mamba_free", "host_mamba_cached")
     CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FREE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -553,6 +553,12 @@ class Stats(_message.Message):
     MAMBA_HELD_FIELD_NUMBER: _ClassVar[int]
     MAMBA_EVICTABLE_FIELD_NUMBER: _ClassVar[int]
     MAMBA_PROTECTED_FIELD_NUMBER: _ClassVar[int]
+    HOST_SWA_CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HOST_SWA_FREE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HOST_SWA_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HOST_MAMBA_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    HOST_MAMBA_FREE_FIELD_NUMBER: _ClassVar[int]
+    HOST_MAMBA_CACHED_FIELD_NUMBER: _ClassVar[int]
     capacity_tokens: int
     free_tokens: int
     cached_tokens: int
@@ -596,7 +602,13 @@ class Stats(_message.Message):
     mamba_held: int
     mamba_evictable: int
     mamba_protected: int
-    def __init__(self, capacity_tokens: _Optional[int] = ..., free_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., evictable_tokens: _Optional[int] = ..., protected_tokens: _Optional[int] = ..., held_tokens: _Optional[int] = ..., in_flight_tokens: _Optional[int] = ..., num_nodes: _Optional[int] = ..., sessions: _Optional[int] = ..., hit_tokens_total: _Optional[int] = ..., queried_tokens_total: _Optional[int] = ..., evicted_tokens_total: _Optional[int] = ..., host_capacity_tokens: _Optional[int] = ..., host_free_tokens: _Optional[int] = ..., host_cached_tokens: _Optional[int] = ..., receipts: _Optional[int] = ..., host_evictable_tokens: _Optional[int] = ..., host_protected_tokens: _Optional[int] = ..., host_in_flight_tokens: _Optional[int] = ..., host_hit_tokens_total: _Optional[int] = ..., backup_tokens_total: _Optional[int] = ..., load_back_tokens_total: _Optional[int] = ..., host_evicted_tokens_total: _Optional[int] = ..., transfers_in_flight: _Optional[int] = ..., transfer_failures_total: _Optional[int] = ..., storage_hit_tokens_total: _Optional[int] = ..., storage_put_pages_total: _Optional[int] = ..., storage_get_pages_total: _Optional[int] = ..., storage_put_skipped_pages_total: _Optional[int] = ..., storage_put_bytes_total: _Optional[int] = ..., storage_get_bytes_total: _Optional[int] = ..., storage_errors_total: _Optional[int] = ..., prefetches_in_flight: _Optional[int] = ..., swa_capacity_tokens: _Optional[int] = ..., swa_free_tokens: _Optional[int] = ..., swa_held_tokens: _Optional[int] = ..., swa_evictable_tokens: _Optional[int] = ..., swa_protected_tokens: _Optional[int] = ..., mamba_capacity: _Optional[int] = ..., mamba_free: _Optional[int] = ..., mamba_held: _Optional[int] = ..., mamba_evictable: _Optional[int] = ..., mamba_protected: _Optional[int] = ...) -> None: ...
+    host_swa_capacity_tokens: int
+    host_swa_free_tokens: int
+    host_swa_cached_tokens: int
+    host_mamba_capacity: int
+    host_mamba_free: int
+    host_mamba_cached: int
+    def __init__(self, capacity_tokens: _Optional[int] = ..., free_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., evictable_tokens: _Optional[int] = ..., protected_tokens: _Optional[int] = ..., held_tokens: _Optional[int] = ..., in_flight_tokens: _Optional[int] = ..., num_nodes: _Optional[int] = ..., sessions: _Optional[int] = ..., hit_tokens_total: _Optional[int] = ..., queried_tokens_total: _Optional[int] = ..., evicted_tokens_total: _Optional[int] = ..., host_capacity_tokens: _Optional[int] = ..., host_free_tokens: _Optional[int] = ..., host_cached_tokens: _Optional[int] = ..., receipts: _Optional[int] = ..., host_evictable_tokens: _Optional[int] = ..., host_protected_tokens: _Optional[int] = ..., host_in_flight_tokens: _Optional[int] = ..., host_hit_tokens_total: _Optional[int] = ..., backup_tokens_total: _Optional[int] = ..., load_back_tokens_total: _Optional[int] = ..., host_evicted_tokens_total: _Optional[int] = ..., transfers_in_flight: _Optional[int] = ..., transfer_failures_total: _Optional[int] = ..., storage_hit_tokens_total: _Optional[int] = ..., storage_put_pages_total: _Optional[int] = ..., storage_get_pages_total: _Optional[int] = ..., storage_put_skipped_pages_total: _Optional[int] = ..., storage_put_bytes_total: _Optional[int] = ..., storage_get_bytes_total: _Optional[int] = ..., storage_errors_total: _Optional[int] = ..., prefetches_in_flight: _Optional[int] = ..., swa_capacity_tokens: _Optional[int] = ..., swa_free_tokens: _Optional[int] = ..., swa_held_tokens: _Optional[int] = ..., swa_evictable_tokens: _Optional[int] = ..., swa_protected_tokens: _Optional[int] = ..., mamba_capacity: _Optional[int] = ..., mamba_free: _Optional[int] = ..., mamba_held: _Optional[int] = ..., mamba_evictable: _Optional[int] = ..., mamba_protected: _Optional[int] = ..., host_swa_capacity_tokens: _Optional[int] = ..., host_swa_free_tokens: _Optional[int] = ..., host_swa_cached_tokens: _Optional[int] = ..., host_mamba_capacity: _Optional[int] = ..., host_mamba_free: _Optional[int] = ..., host_mamba_cached: _Optional[int] = ...) -> None: ...
 
 class CheckInvariantsRequest(_message.Message):
     __slots__ = ()

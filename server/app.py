@@ -112,6 +112,7 @@ def check_gpus(pool_bytes: int, gpus: list[int], free_of=None, what: str = "--nu
 def build_hybrid_core(cfg: Config, instance_id: str, backend: str) -> CacheCore:
     """A hybrid model's three pools (FULL KV, SWA KV, states), their allocators and the hybrid tree."""
     from .hybrid_core import HybridCore
+    from .hybrid_tiers import HybridHostTier
     from .pools.hybrid import StatePool, SwaTranslation, state_pool_bytes
     from .tree.hybrid import HybridTree
     lay = cfg._layout
@@ -128,11 +129,25 @@ def build_hybrid_core(cfg: Config, instance_id: str, backend: str) -> CacheCore:
         swa_spec = PoolSpec(num_layers=len(lay.swa_layers), kv_heads=cfg.kv_heads, head_dim=cfg.head_dim,
                             dtype=cfg.dtype, page_size=cfg.page_size, num_slots=swa_slots, mla=cfg.mla)
     state_bytes = state_pool_bytes(len(lay.state_layers), lay.state, cfg.mamba_states) if lay.state_layers else 0
+    # the host tier keeps the device's proportions: SWA slots per FULL slot, state slots per FULL slot
+    per_token = spec.slot_bytes + (swa_spec.slot_bytes * cfg.swa_ratio if swa_spec else 0) + (
+        state_bytes / cfg.num_slots)
+    host_slots = host_slots_for(cfg, max(1, int(per_token + 0.999)))
+    host_swa = int(host_slots * cfg.swa_ratio) // cfg.page_size * cfg.page_size if swa_spec and host_slots else 0
+    host_states = max(1, cfg.mamba_states * host_slots // cfg.num_slots) if lay.state_layers and host_slots else 0
+    if host_slots and swa_spec and host_swa < cfg.page_size:
+        raise StartupError(f"{_host_sources(cfg)}: {host_slots} host slots leave less than one page of SWA KV")
+    host_bytes = 0
+    if host_slots:
+        host_bytes = total_bytes(spec.with_slots(host_slots, cfg.host_layout)) + (
+            total_bytes(swa_spec.with_slots(host_swa, cfg.host_layout)) if swa_spec else 0) + (
+            state_pool_bytes(len(lay.state_layers), lay.state, host_states) if host_states else 0)
+    device_bytes = total_bytes(spec) + (total_bytes(swa_spec) if swa_spec else 0) + state_bytes
     if backend == "shm":
-        _check_shm(total_bytes(spec) + (total_bytes(swa_spec) if swa_spec else 0) + state_bytes, 0, cfg)
+        _check_shm(device_bytes, host_bytes, cfg)
     else:
-        check_gpus(total_bytes(spec) + (total_bytes(swa_spec) if swa_spec else 0) + state_bytes, cfg.gpus or [0],
-                   what=_device_sources(cfg))
+        _check_shm(0, host_bytes, cfg)
+        check_gpus(device_bytes, cfg.gpus or [0], what=_device_sources(cfg))
     device_index = (cfg.gpus or [0])[0]
     pools: list = []
     try:
@@ -142,6 +157,17 @@ def build_hybrid_core(cfg: Config, instance_id: str, backend: str) -> CacheCore:
         if lay.state_layers:
             pools.append(StatePool(cfg.mamba_states, len(lay.state_layers), lay.state, instance_id, backend=backend,
                                    device_index=device_index))
+        host_pools: list = []
+        if host_slots:
+            pin = backend == "cuda"
+            host_pools.append(KVPool(spec.with_slots(host_slots, cfg.host_layout), "host", instance_id, "shm",
+                                     pin=pin))
+            if swa_spec is not None:
+                host_pools.append(KVPool(swa_spec.with_slots(host_swa, cfg.host_layout), "host-swa", instance_id,
+                                         "shm", pin=pin))
+            if host_states:
+                host_pools.append(StatePool(host_states, len(lay.state_layers), lay.state, instance_id, index=1))
+            pools += host_pools
         if cfg.prefault:
             for p in pools:
                 if hasattr(p, "prefault"):
@@ -151,15 +177,26 @@ def build_hybrid_core(cfg: Config, instance_id: str, backend: str) -> CacheCore:
         for p in pools:
             p.close()
         raise
-    tree = HybridTree(cfg.page_size, window=lay.window if lay.swa_layers else None,
-                      mamba_chunk=cfg.mamba_chunk if lay.state_layers else None,
-                      events=bool(cfg.kv_events or cfg.kv_events_endpoint or cfg.kv_events_replay_endpoint))
+    window = lay.window if lay.swa_layers else None
+    chunk = cfg.mamba_chunk if lay.state_layers else None
+    tree = HybridTree(cfg.page_size, window=window, mamba_chunk=chunk,
+                      events=bool(cfg.kv_events or cfg.kv_events_endpoint or cfg.kv_events_replay_endpoint),
+                      victims=bool(host_slots))
     swa_pool = pools[1] if swa_spec is not None else None
-    state_pool = pools[-1] if lay.state_layers else None
+    state_pool = pools[2 if swa_spec is not None else 1] if lay.state_layers else None
+    host_tier = None
+    if host_slots:
+        host_tier = HybridHostTier(
+            HybridTree(cfg.page_size, window=window, mamba_chunk=chunk), SlotAllocator(host_slots, cfg.page_size),
+            host_pools[0], swa=SwaTranslation(host_slots, host_swa, cfg.page_size) if swa_spec else None,
+            swa_pool=host_pools[1] if swa_spec is not None else None,
+            states=SlotAllocator(host_states) if host_states else None,
+            state_pool=host_pools[-1] if host_states else None, load_back_threshold=cfg.load_back_threshold)
+        _step("host_pool")
     return HybridCore(tree, SlotAllocator(cfg.num_slots, cfg.page_size), instance_id, [pools[0]],
                       swa=SwaTranslation(cfg.num_slots, swa_spec.num_slots, cfg.page_size) if swa_spec else None,
                       swa_pool=swa_pool, states=SlotAllocator(cfg.mamba_states) if state_pool else None,
-                      state_pool=state_pool, layout=lay, max_batch_tokens=cfg.num_slots)
+                      state_pool=state_pool, layout=lay, max_batch_tokens=cfg.num_slots, host_tier=host_tier)
 
 
 def build_core(cfg: Config, instance_id: str) -> CacheCore:

@@ -313,11 +313,9 @@ def _check(cfg: Config, origin: dict[str, str]) -> None:
 def _check_hybrid(cfg: Config, origin: dict[str, str]) -> None:
     """What the hybrid cache does not have yet is refused at start, in one line."""
     src = origin["hybrid_cache"]
-    for name, on in (("host_slots", cfg.host_slots), ("host_mem", cfg.host_mem), ("host_ratio", cfg.host_ratio),
-                     ("storage", cfg.storage), ("bigram", cfg.bigram)):
+    for name, on in (("storage", cfg.storage), ("bigram", cfg.bigram)):
         if on:
-            raise ConfigError(f"{src} and {origin[name]}: a hybrid model has no host or L3 tier and no bigram "
-                              "keys yet")
+            raise ConfigError(f"{src} and {origin[name]}: a hybrid model has no L3 tier and no bigram keys yet")
     lay = cfg._layout
     if lay.swa_layers and not cfg.swa_ratio:
         raise ConfigError(f"{origin.get('swa_ratio', 'swa_ratio')}: 0 leaves the sliding-window layers no pool")

@@ -13,18 +13,19 @@ from typing import Optional
 import numpy as np
 
 from .core import CacheCore, InsertOutcome, Item
+from .hybrid_tiers import TRANSIT, HybridHostTier, HybridShelf
 from .errors import BadRequest, Conflict, Exhausted
 from .pools.allocator import FREE, HELD, TREE, SlotAllocator
 from .pools.hybrid import SwaTranslation
 from .sessions import Session
 from .tree.components import MAMBA, SWA
 from .tree.errors import InvalidInput
-from .tree.hybrid import HybridFrees, HybridMatch, HybridTree
+from .tree.hybrid import HybridMatch, HybridTree
 
 _NONE = -1
 
 
-class HybridCore(CacheCore):
+class HybridCore(HybridShelf, CacheCore):
     """A CacheCore whose tree is a HybridTree; `swa` translates FULL slots to the SWA pool, `states` allocates
     the state pool."""
 
@@ -32,39 +33,25 @@ class HybridCore(CacheCore):
 
     def __init__(self, tree: HybridTree, allocator: SlotAllocator, instance_id: str, device_pools: list,
                  swa: Optional[SwaTranslation] = None, swa_pool=None, states: Optional[SlotAllocator] = None,
-                 state_pool=None, layout=None, max_batch_tokens: int = 1 << 24):
-        super().__init__(tree, allocator, instance_id, device_pools, max_batch_tokens=max_batch_tokens)
+                 state_pool=None, layout=None, max_batch_tokens: int = 1 << 24,
+                 host_tier: Optional[HybridHostTier] = None):
+        CacheCore.__init__(self, tree, allocator, instance_id, device_pools, max_batch_tokens=max_batch_tokens)
         self.swa, self.swa_pool = swa, swa_pool
         self.states, self.state_pool = states, state_pool
         self.layout = layout
+        self.host_tier = host_tier
 
     def all_pools(self) -> list:
-        return self.device_pools + [p for p in (self.swa_pool, self.state_pool) if p is not None]
+        own = self.device_pools + [p for p in (self.swa_pool, self.state_pool) if p is not None]
+        return own + (self.host_tier.pools() if self.host_tier is not None else [])
 
-    # ------------------------------------------------------------ executing the tree's frees
-    def _free_full(self, slots: np.ndarray, whole_pages: bool = False) -> None:
-        """FULL slots back to the pool, whoever held them (the tree, or the session for duplicates); a free
-        FULL page never keeps an SWA page."""
-        if not slots.size:
-            return
-        st = self.alloc.state[slots]
-        for state in (TREE, HELD):
-            part = slots[st == state]
-            if part.size:
-                self.alloc.move(part, state, FREE, check=False)
-        if self.swa is not None:
-            self.swa.release(slots, whole_pages)
-
-    def _apply(self, frees: HybridFrees) -> None:
-        """Execute what a tree operation freed, per pool."""
-        if self.swa is not None:
-            for kept, incoming in frees.swa_moves:
-                self.swa.move(kept, incoming)
-        self._free_full(frees.full_slots(), whole_pages=True)  # their twins go with them
-        if self.swa is not None and frees.swa:
-            self.swa.release(frees._cat(frees.swa), whole_pages=True)  # twins whose FULL slots stay
-        if frees.mamba:
-            self.states.move(np.asarray(frees.mamba, dtype=np.int64), TREE, FREE, check=False)
+    def _evict(self, full: int = 0, swa: int = 0, mamba: int = 0):
+        """Evict on the device; with a host tier, what goes is copied down before its slots are freed."""
+        r = self.tree.evict(full, swa, mamba)
+        if r.victims and self.host_tier is not None:
+            self.host_tier.demote(r.victims, self)
+        self._apply(r.frees)
+        return r
 
     # ---------------------------------------------------------------- sessions
     def end_session(self, s: Session) -> tuple[int, int]:
@@ -80,48 +67,6 @@ class HybridCore(CacheCore):
         return len(receipts), int(held.size)
 
     # -------------------------------------------------------------- allocation
-    def _evict(self, full: int = 0, swa: int = 0, mamba: int = 0):
-        r = self.tree.evict(full, swa, mamba)
-        self._apply(r.frees)
-        return r
-
-    def _room(self, pages: int, swa_pages: int, states: int) -> tuple[int, int, int]:
-        """Evict (FULL leaves, then SWA, then states) until the batch fits; all or nothing up front."""
-        p = self.alloc.page_size
-        ev = self.tree.evictable
-        short = pages - self.alloc.free_pages()
-        if short > 0 and short * p > ev[self.tree.FULL]:
-            raise Exhausted(f"need {pages} free pages, {self.alloc.free_pages()} free and only "
-                            f"{ev[self.tree.FULL]} evictable tokens")
-        if self.swa is not None:
-            sshort = swa_pages * p - self.swa.free_slots
-            if sshort > 0 and sshort > ev[SWA]:  # FULL eviction frees SWA only where ev[SWA] counts it
-                raise Exhausted(f"need {swa_pages * p} free SWA slots, {self.swa.free_slots} free and only "
-                                f"{ev[SWA]} evictable SWA tokens")
-        if states:
-            mshort = states - self.states.free_slots
-            if mshort > 0 and mshort > ev[MAMBA]:
-                raise Exhausted(f"need {states} free state slots, {self.states.free_slots} free and only "
-                                f"{ev[MAMBA]} evictable states")
-        full = swa = mamba = 0
-        while self.alloc.free_pages() < pages:
-            r = self._evict(full=(pages - self.alloc.free_pages()) * p)
-            if not r.full:
-                raise Exhausted(f"need {pages} free pages; eviction freed too little")
-            full += r.full
-        if self.swa is not None:
-            while self.swa.free_slots < swa_pages * p:
-                r = self._evict(swa=swa_pages * p - self.swa.free_slots)
-                if not r.swa:
-                    raise Exhausted(f"need {swa_pages * p} free SWA slots; eviction freed too little")
-                swa += r.swa
-        while states and self.states.free_slots < states:
-            r = self._evict(mamba=states - self.states.free_slots)
-            if not r.mamba:
-                raise Exhausted(f"need {states} free state slots; eviction freed too little")
-            mamba += r.mamba
-        return full, swa, mamba
-
     async def alloc_slots(self, s: Session, sizes: list[int], states: int = 0):
         """Whole FULL pages per size, each with its SWA twins, and `states` state slots; all held by the
         session. Returns (FULL slots per size, their SWA slots, state slots, (evicted FULL, SWA, states))."""
@@ -256,6 +201,12 @@ class HybridCore(CacheCore):
                 raise BadRequest("lock and mamba_cow need a session (attach first)")
             if cow and self.states is None:
                 raise BadRequest(f"item {i}: mamba_cow, but this model has no state layers")
+        if self.host_tier is not None:  # a longer host prefix comes back first, so the match below finds it
+            for tokens, ns, *_ in items:
+                try:
+                    self.host_tier.load(tokens, ns, self)
+                except InvalidInput as e:
+                    raise BadRequest(str(e)) from None
         cows = sum(1 for it in items if it[3])
         if cows:
             if cows > self.states.capacity:
@@ -310,19 +261,22 @@ class HybridCore(CacheCore):
             self._apply(self.tree.release_swa(r))
 
     async def load_back(self, s: Session, items: list[Item]):
-        raise Conflict("a hybrid model has no host tier yet: there is nothing to load back")
+        raise Conflict("a hybrid model loads its host prefix back inside MatchPrefix: there is no separate "
+                       "LoadBack" if self.host_tier is not None else "the host tier is off (start the server with "
+                       "--host-slots, --host-mem or --host-ratio)")
 
     # ------------------------------------------------------------ whole cache
     async def evict(self, num_tokens: int, host_tokens: int = 0, swa_tokens: int = 0,
                     mamba_states: int = 0) -> tuple[int, int, int, int]:
-        if host_tokens:
-            raise Conflict("a hybrid model has no host tier yet: host_tokens must be 0")
+        if host_tokens and self.host_tier is None:
+            raise Conflict("the host tier is off: host_tokens must be 0")
         if swa_tokens and self.swa is None:
             raise BadRequest("swa_tokens: this model has no sliding-window layers")
         if mamba_states and self.states is None:
             raise BadRequest("mamba_states: this model has no state layers")
         r = self._evict(num_tokens, swa_tokens, mamba_states)
-        return r.full, 0, r.swa, r.mamba
+        host = self.host_tier.evict(host_tokens) if host_tokens else 0
+        return r.full, host, r.swa, r.mamba
 
     def reset(self) -> int:
         from .tree.errors import LocksHeld
@@ -334,6 +288,8 @@ class HybridCore(CacheCore):
         self._free_full(full)
         if self.states is not None and held[MAMBA].size:
             self.states.move(held[MAMBA], TREE, FREE, check=False)
+        if self.host_tier is not None:
+            self.host_tier.reset()
         return int(full.size)
 
     def stats(self) -> dict[str, int]:
@@ -348,6 +304,8 @@ class HybridCore(CacheCore):
             c = self.states.counts
             out.update(mamba_capacity=self.states.capacity, mamba_free=c[FREE], mamba_held=c[HELD],
                        mamba_evictable=t.evictable[MAMBA], mamba_protected=t.protected[MAMBA])
+        if self.host_tier is not None:
+            out.update(self.host_tier.stats())
         return out
 
     def _held_pages_with_twins(self) -> int:
@@ -357,16 +315,8 @@ class HybridCore(CacheCore):
 
     def check(self) -> list[str]:
         """The hybrid tree's checker, then conservation per pool and agreement between the tree and the pools."""
-        from .tree.hybrid_check import check_hybrid
-        bad = [f"tree: {v}" for v in check_hybrid(self.tree)]
-        bad += [f"allocator: {v}" for v in self.alloc.check()]
+        bad = self.check_pools("device")
         held = self.tree.held()
-        full = held[self.tree.FULL]
-        c = self.alloc.counts
-        if c[TREE] != full.size:
-            bad.append(f"allocator has {c[TREE]} tree-owned slots, the tree holds {full.size}")
-        if full.size and (self.alloc.state[full] != TREE).any():
-            bad.append("a FULL slot the tree holds is not in the allocator's tree state")
         p = self.alloc.page_size
         if self.swa is not None:
             bad += [f"swa: {v}" for v in self.swa.check()]
@@ -379,13 +329,6 @@ class HybridCore(CacheCore):
                 bad.append("an SWA page is mapped from a FULL page neither the tree (with SWA) nor a session holds")
             if (self.swa.free_slots + tree_pages.size * p + stray.size * p) != self.swa.swa_capacity:
                 bad.append("SWA free + tree + held != capacity")
-        if self.states is not None:
-            bad += [f"states: {v}" for v in self.states.check()]
-            if self.states.counts[TREE] != held[MAMBA].size:
-                bad.append(f"state pool has {self.states.counts[TREE]} tree-owned slots, the tree holds "
-                           f"{held[MAMBA].size}")
-            if held[MAMBA].size and (self.states.state[held[MAMBA]] != TREE).any():
-                bad.append("a state the tree holds is not in the state pool's tree state")
         owners = set(np.unique(self.alloc.owner[self.alloc.state == HELD]).tolist())
         if self.states is not None:
             owners |= set(np.unique(self.states.owner[self.states.state == HELD]).tolist())
@@ -394,6 +337,10 @@ class HybridCore(CacheCore):
             bad.append(f"slots held by ended sessions {sorted(owners - live)}")
         if self.sessions.receipt_count != self.tree.num_receipts:
             bad.append(f"sessions own {self.sessions.receipt_count} receipts, the tree has {self.tree.num_receipts}")
-        if sum(c) != self.alloc.capacity:
+        if sum(self.alloc.counts) != self.alloc.capacity:
             bad.append("free + tree + held + in_flight != capacity")
+        if self.host_tier is not None:
+            bad += self.host_tier.check()
+            if (self.alloc.owner == TRANSIT).any() or (self.states is not None and (self.states.owner == TRANSIT).any()):
+                bad.append("device slots left in transit by a load-back")
         return bad

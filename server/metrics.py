@@ -66,11 +66,13 @@ class CacheCollector:
 
     def collect(self):
         core, t = self.core, self.core.tree
+        ht = getattr(core, "host_tier", None)  # a hybrid model's host tier: a tree of its own
+        host_alloc = ht.alloc if ht is not None else core.host_alloc
         slots = GaugeMetricFamily("radixd_pool_slots", "Pool slots by tier and state", labels=["tier", "state"])
         for i, name in enumerate(STATE_NAMES):
             slots.add_metric(["device", name], core.alloc.counts[i])
-            if core.host_alloc:
-                slots.add_metric(["host", name], core.host_alloc.counts[i])
+            if host_alloc:
+                slots.add_metric(["host", name], host_alloc.counts[i])
         yield slots
         yield CounterMetricFamily("radixd_hit_tokens", "Tokens served from cache by MatchPrefix",
                                   value=t.counters.hit_tokens)
@@ -78,7 +80,7 @@ class CacheCollector:
                                   value=t.counters.queried_tokens)
         ev = CounterMetricFamily("radixd_evicted_tokens", "Tokens evicted, by tier", labels=["tier"])
         ev.add_metric(["device"], t.counters.evicted_tokens_device)
-        ev.add_metric(["host"], t.counters.evicted_tokens_host)
+        ev.add_metric(["host"], ht.tree.counters.evicted_tokens_device if ht else t.counters.evicted_tokens_host)
         yield ev
         yield CounterMetricFamily("radixd_inserted_tokens", "Tokens adopted into the tree",
                                   value=t.counters.inserted_tokens)
@@ -96,14 +98,14 @@ class CacheCollector:
         yield CounterMetricFamily("radixd_expired_receipts", "Lock receipts released by --lock-lease-seconds",
                                   value=core.expired_receipts)
         yield CounterMetricFamily("radixd_host_hit_tokens", "Tokens a MatchPrefix found on the host tier only",
-                                  value=t.counters.host_hit_tokens)
+                                  value=ht.host_hit_tokens if ht else t.counters.host_hit_tokens)
         yield CounterMetricFamily("radixd_backup_tokens", "Tokens copied device -> host",
-                                  value=t.counters.backup_tokens)
+                                  value=ht.demoted_tokens if ht else t.counters.backup_tokens)
         yield CounterMetricFamily("radixd_load_back_tokens", "Tokens loaded host -> device",
-                                  value=t.counters.load_back_tokens)
+                                  value=ht.loaded_tokens if ht else t.counters.load_back_tokens)
         hcached = GaugeMetricFamily("radixd_host_cached_tokens", "Host-tier tokens by lock state", labels=["state"])
-        hcached.add_metric(["evictable"], t.host_evictable_size)
-        hcached.add_metric(["protected"], t.host_protected_size)
+        hcached.add_metric(["evictable"], ht.tree.evictable_size if ht else t.host_evictable_size)
+        hcached.add_metric(["protected"], ht.tree.protected_size if ht else t.host_protected_size)
         yield hcached
         if core.host is not None:
             yield GaugeMetricFamily("radixd_transfers_in_flight", "Copies submitted and not yet landed",
@@ -160,6 +162,15 @@ def _component_families(core):
                            ("protected", "mamba_protected")):
             pool.add_metric(["mamba", state], st[key])
     yield pool
+    if getattr(core, "host_tier", None) is not None:
+        host = GaugeMetricFamily("radixd_host_component_slots", "Hybrid models' host tier: SWA KV slots and state "
+                                 "slots, free or cached", labels=["component", "state"])
+        for comp, free, cached in (("swa", "host_swa_free_tokens", "host_swa_cached_tokens"),
+                                   ("mamba", "host_mamba_free", "host_mamba_cached")):
+            if free in st:
+                host.add_metric([comp, "free"], st[free])
+                host.add_metric([comp, "cached"], st[cached])
+        yield host
 
 
 class Metrics:

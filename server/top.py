@@ -105,6 +105,12 @@ def render(info: dict, prev: Sample, cur: Sample):
         cached = s["mamba_evictable"] + s["mamba_protected"]
         pools.add_row("states", str(s["mamba_capacity"]), str(s["mamba_free"]), str(cached),
                       str(s["mamba_evictable"]), str(s["mamba_protected"]), str(s["mamba_held"]), "-")
+    if s.get("host_swa_capacity_tokens"):  # a hybrid model's host tier
+        pools.add_row("host swa", str(s["host_swa_capacity_tokens"]), str(s["host_swa_free_tokens"]),
+                      str(s["host_swa_cached_tokens"]), "-", "-", "-", "-")
+    if s.get("host_mamba_capacity"):
+        pools.add_row("host states", str(s["host_mamba_capacity"]), str(s["host_mamba_free"]),
+                      str(s["host_mamba_cached"]), "-", "-", "-", "-")
     rates = Table.grid(padding=(0, 3))
     rates.add_row(f"evicted {(s['evicted_tokens_total'] - p['evicted_tokens_total']) / dt:,.0f} tok/s",
                   f"host evicted {(s['host_evicted_tokens_total'] - p['host_evicted_tokens_total']) / dt:,.0f} tok/s",

@@ -28,6 +28,8 @@ def _run(coro):
 
 
 class HybridCoreMachine(RuleBasedStateMachine):
+    SLOTS, HOST = 320, {}
+
     def __init__(self):
         super().__init__()
         import tempfile
@@ -38,8 +40,8 @@ class HybridCoreMachine(RuleBasedStateMachine):
         path = f"{d}/config.json"
         with open(path, "w") as f:
             json.dump(TRI_CONFIG, f)
-        cfg = load(dict(model_config=path, hybrid_cache=True, num_slots=320, page_size=PAGE, swa_ratio=0.5,
-                        mamba_states=8, device="cpu", metrics_addr=""))
+        cfg = load(dict(model_config=path, hybrid_cache=True, num_slots=self.SLOTS, page_size=PAGE, swa_ratio=0.5,
+                        mamba_states=8, device="cpu", metrics_addr="", **self.HOST))
         self.core = build_core(cfg, uuid.uuid4().hex)
         self.full = self.core.device_pools[0].views["k.0"]
         self.swa = self.core.swa_pool.views["k.0"]
@@ -165,3 +167,39 @@ def _loop():
 HybridCoreMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
                                                suppress_health_check=[HealthCheck.too_slow])
 TestHybridCore = HybridCoreMachine.TestCase
+
+
+class HostTierMachine(HybridCoreMachine):
+    """The same scheduler on a small device with a host tier below it: what the device evicts is copied down,
+    and a match whose host prefix is longer loads it back. Every hit is still checked against the values this
+    test wrote (FULL KV, the window's SWA KV, the state): a copy in either direction that lost or misplaced a
+    byte fails here. The host tier's checker (its tree, conservation per host pool) runs after every step."""
+
+    SLOTS, HOST = 128, {"host_slots": 384, "load_back_threshold": 0}
+
+    @rule(tokens=st.integers(0, 60))
+    def evict_host(self, tokens):
+        _run(self.core.evict(0, tokens))
+
+    @invariant()
+    def host_consistent(self):
+        st_ = self.core.stats()
+        assert st_["host_free_tokens"] + st_["host_cached_tokens"] == st_["host_capacity_tokens"]
+        assert st_["host_swa_free_tokens"] + st_["host_swa_cached_tokens"] == st_["host_swa_capacity_tokens"]
+        assert st_["host_mamba_free"] + st_["host_mamba_cached"] == st_["host_mamba_capacity"]
+        self.loaded = (st_["load_back_tokens_total"], st_["backup_tokens_total"], self.hits)
+
+    def teardown(self):
+        _LOADED.append(getattr(self, "loaded", (0, 0, 0)))
+        super().teardown()
+
+
+_LOADED: list[int] = []
+HostTierMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=60, deadline=None,
+                                             suppress_health_check=[HealthCheck.too_slow])
+TestHostTier = HostTierMachine.TestCase
+
+
+def test_the_host_tier_machine_loaded_back():
+    """The machine above is not vacuous: in its runs the host tier served hits (it runs first, by file order)."""
+    assert _LOADED and sum(1 for n in _LOADED if n[0]) >= 5, _LOADED

@@ -70,6 +70,7 @@ class Engine:
         self.conv = self.pools.state.conv_buffer[0]    # [states, conv dim, kernel - 1]
         self.checked = dict(full=0, swa=0, state=0)
         self.refused = 0
+        self.host = False
 
     def ok(self) -> None:
         assert self.c.check() == []
@@ -80,6 +81,10 @@ class Engine:
             st["swa_held_tokens"] == st["swa_capacity_tokens"]
         assert st["mamba_free"] + st["mamba_evictable"] + st["mamba_protected"] + st["mamba_held"] == \
             st["mamba_capacity"]
+        if self.host:
+            assert st["host_free_tokens"] + st["host_cached_tokens"] == st["host_capacity_tokens"]
+            assert st["host_swa_free_tokens"] + st["host_swa_cached_tokens"] == st["host_swa_capacity_tokens"]
+            assert st["host_mamba_free"] + st["host_mamba_cached"] == st["host_mamba_capacity"]
 
     def verify(self, tokens: np.ndarray, m, cow: bool = True) -> None:
         """The hit's FULL KV, its window's SWA KV and its copied state are the ones written for this prefix."""
@@ -164,8 +169,50 @@ class Engine:
 
 def test_a_hybrid_workload_hits_exactly_the_kv_and_states_written_for_each_prefix(tri):
     """Shared system prompts and multi-turn conversations under pool pressure in all three pools."""
+    _workload(tri)
+
+
+@pytest.fixture
+def tri_host(tmp_path):
+    s = ServerProc("--num-slots", "384", "--page-size", str(PAGE), "--model-config", _config(tmp_path, TRI_CONFIG),
+                   "--hybrid-cache", "--swa-ratio", "0.5", "--mamba-states", "10", "--host-slots", "1536",
+                   "--load-back-threshold", "0")
+    yield s
+    s.stop()
+
+
+def test_a_host_tier_keeps_what_the_device_evicts_and_loads_it_back_byte_exact(tri_host):
+    """The same workload on a device half the size, with a host tier four times the device: evicted prefixes
+    are copied down and come back inside MatchPrefix; every hit (from the device or loaded back from the host)
+    reads exactly the values written for its prefix, and every pool of both tiers is conserved after every
+    call."""
+    import io
+    import urllib.request
+
+    from rich.console import Console
+
+    from radixd.server.top import run
+    st = _workload(tri_host, host=True)
+    assert st["backup_tokens_total"] > 500 and st["load_back_tokens_total"] > 200, st
+    assert st["host_hit_tokens_total"] >= st["load_back_tokens_total"]
+    assert st["host_swa_capacity_tokens"] == 768 and st["host_mamba_capacity"] == 40  # the device's proportions
+    text = urllib.request.urlopen(tri_host.metrics_url, timeout=5).read().decode()
+    assert f'radixd_load_back_tokens_total {float(st["load_back_tokens_total"])}' in text
+    assert f'radixd_pool_slots{{state="free",tier="host"}} {float(st["host_free_tokens"])}' in text
+    assert f'radixd_host_component_slots{{component="mamba",state="cached"}} {float(st["host_mamba_cached"])}' in text
+    with CacheClient(tri_host.target, name="top") as c:
+        buf = io.StringIO()
+        run(c, interval=0.05, iterations=1, console=Console(file=buf, width=150))
+    rows = {" ".join(r[:2]): r[2:] for r in ([x for x in line.split() if x != "│"] for line in buf.getvalue().splitlines())
+            if len(r) > 3 and r[0] == "host"}
+    assert rows["host swa"][:2] == ["768", str(st["host_swa_free_tokens"])], rows
+    assert rows["host states"][:3] == ["40", str(st["host_mamba_free"]), str(st["host_mamba_cached"])], rows
+
+
+def _workload(server, host: bool = False) -> dict:
     rng = np.random.default_rng(11)
-    e = Engine(tri.target)
+    e = Engine(server.target)
+    e.host = host
     try:
         info = e.c.info()
         assert info["hybrid"]["sliding_window"] == WINDOW and info["hybrid"]["mamba_chunk"] == 8
@@ -201,6 +248,7 @@ def test_a_hybrid_workload_hits_exactly_the_kv_and_states_written_for_each_prefi
         assert st["evicted_tokens_total"] > 0, "the workload never filled the FULL pool"
         assert e.checked["full"] > 1000 and e.checked["swa"] > 300 and e.checked["state"] > 30, e.checked
         assert e.refused < 30, f"{e.refused} requests found no room"
+        return st
     finally:
         e.close()
 
@@ -273,9 +321,9 @@ def test_bad_hybrid_input_gets_a_precise_status_and_changes_nothing(tri):
             pb.FinishedItem(tokens=toks, indices=idx, mamba_value=int(a.states[0]), swa_evicted_seqlen=4)]),
             INV, "lost their SWA twins")
         _bad(c, "Free", pb.FreeRequest(session_id=sid, states=np.array([7], "<i8").tobytes()), DENIED, "states")
-        _bad(c, "Evict", pb.EvictRequest(host_tokens=4), CONFLICT, "no host tier")
+        _bad(c, "Evict", pb.EvictRequest(host_tokens=4), CONFLICT, "host tier is off")
         _bad(c, "LoadBack", pb.LoadBackRequest(session_id=sid, items=[pb.LoadBackItem(receipt_id=1)]),
-             CONFLICT, "no host tier")
+             CONFLICT, "host tier is off")
         ins = c.cache_finished([dict(tokens=np.arange(12, dtype=np.int32), indices=a.full[0], mamba_value=int(a.states[0]),
                                      swa_evicted_seqlen=8)])[0]
         assert ins.adopted == 12

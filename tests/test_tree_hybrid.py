@@ -91,13 +91,26 @@ class HybridMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.tree = HybridTree(self.PAGE, window=self.WINDOW, mamba_chunk=self.CHUNK, events=True,
-                               mamba_max_states_per_path=3)
+                               mamba_max_states_per_path=3, victims=True)
         self.blocks: dict[int, Counter] = {0: Counter(), 1: Counter(), 2: Counter()}  # what an event follower knows
         self.cap = 200
         self.free = list(range(self.cap))
         self.mfree = list(range(1000, 1020))
         self.at: dict[int, tuple] = {}  # FULL slot -> the token prefix (through its position) it caches
         self.held: list[tuple[int, bool]] = []
+
+    def _victims(self, r) -> None:
+        """What a host tier would copy of each deleted leaf: its whole prefix's FULL slots, in order; the SWA run
+        it ends with (at most one page-rounded window); its state, freed with it."""
+        tail = self.tree.swa.tail_len
+        for v in r.victims:
+            tokens = tuple(np.frombuffer(v.key, "<i4").tolist())
+            assert len(v.full) == len(tokens) and len(tokens) % self.PAGE == 0
+            for i, s in enumerate(v.full.tolist()):
+                assert self.at.get(s) == (v.ns, tokens[:i + 1])
+            assert len(tokens) - tail <= v.swa_floor <= len(tokens) and v.swa_floor % self.PAGE == 0
+            assert v.mamba == -1 or v.mamba in r.frees.mamba  # a locked leaf may have lost its state
+            assert set(v.full[-1:].tolist()) <= set(r.frees.full_slots().tolist())  # the leaf itself goes
 
     def _freed(self, frees) -> None:
         full = frees.full_slots().tolist()
@@ -126,7 +139,9 @@ class HybridMachine(RuleBasedStateMachine):
         total = len(tokens) - len(tokens) % self.PAGE
         need = total - m.matched_len
         if need > len(self.free):
-            self._freed(t.evict(full=need - len(self.free)).frees)
+            ev = t.evict(full=need - len(self.free))
+            self._victims(ev)
+            self._freed(ev.frees)
         if need > len(self.free) or not self.mfree:
             t.unlock(rid)
             return
@@ -162,6 +177,7 @@ class HybridMachine(RuleBasedStateMachine):
     def evict(self, full, swa, mamba):
         before = self.tree.sizes()
         r = self.tree.evict(full, swa, mamba)
+        self._victims(r)
         self._freed(r.frees)
         assert r.full >= min(full, before["full"][0]) or not self.tree._leaves
         assert len(r.frees.mamba) == r.mamba

@@ -210,3 +210,25 @@ class StatePool:
         if self._device is not None:
             self._device.free()
             self._device = None
+
+
+def copy_states(src: StatePool, src_slots: np.ndarray, dst: StatePool, dst_slots: np.ndarray) -> None:
+    """Copy states between two pools of one geometry (device <-> host tier), slot by slot, every buffer; a
+    GPU side is synchronized before the call returns."""
+    if src.views.keys() != dst.views.keys() or any(src.views[k].shape[1:] != dst.views[k].shape[1:] or
+                                                   src.views[k].dtype != dst.views[k].dtype for k in src.views):
+        raise ValueError("state pools differ in geometry or dtype")
+    pairs = list(zip(np.asarray(src_slots, dtype=np.int64).tolist(), np.asarray(dst_slots, dtype=np.int64).tolist()))
+    for name, sv in src.views.items():
+        dv = dst.views[name]
+        for s, d in pairs:
+            if (src._device is None) == (dst._device is None):
+                dv[d] = sv[s]
+            elif src._device is not None:  # device -> host
+                sv[s].get(out=dv[d])
+            else:  # host -> device
+                dv[d].set(sv[s])
+    if src._device is not None or dst._device is not None:
+        import cupy
+        cupy.cuda.get_current_stream().synchronize()
+

@@ -41,6 +41,14 @@ class Transfer:
     event: Any = field(default=None, repr=False)  # kept while the transfer is remembered: importers may open it late
 
 
+def copier_for(src: KVPool, dst: KVPool) -> Any:
+    """The page copier between two pools: CUDA streams when one is on a GPU, numpy/torch gathers otherwise."""
+    if "cuda" in (src.backend, dst.backend):
+        from .cuda import CudaPageCopier
+        return CudaPageCopier(src, dst)
+    return PageCopier(src, dst)
+
+
 class TransferEngine:
     """Submit copies, get a Transfer; `on_done(transfer)` runs on the event loop when the copy is over."""
 
@@ -58,12 +66,7 @@ class TransferEngine:
         key = (id(src), id(dst))
         c = self._copiers.get(key)
         if c is None:
-            if "cuda" in (src.backend, dst.backend):
-                from .cuda import CudaPageCopier
-                c = CudaPageCopier(src, dst)
-            else:
-                c = PageCopier(src, dst)
-            self._copiers[key] = c
+            c = self._copiers[key] = copier_for(src, dst)
         return c
 
     def prepare(self, a: KVPool, b: KVPool) -> None:

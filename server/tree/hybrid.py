@@ -124,11 +124,26 @@ class HybridInsert:
 
 
 @dataclass(slots=True)
+class Victim:
+    """A D-leaf an eviction deleted, as a lower tier needs it to keep a copy: the whole prefix it ended (key,
+    namespace), the FULL slots of that prefix (still holding their KV until the caller applies the frees), where
+    the SWA run that ends at the leaf starts (`swa_floor`: the prefix end minus one page-rounded window at most,
+    all the window a load-back restores) and the leaf's state slot (-1: none)."""
+
+    ns: Namespace
+    key: bytes
+    full: np.ndarray
+    swa_floor: int
+    mamba: int
+
+
+@dataclass(slots=True)
 class HybridEvicted:
     full: int
     swa: int
     mamba: int
     frees: HybridFrees
+    victims: list = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -154,12 +169,13 @@ class HybridTree:
     FULL = FULL
 
     def __init__(self, page_size: int = 1, window: Optional[int] = None, mamba_chunk: Optional[int] = None,
-                 events: bool = False, mamba_max_states_per_path: int = -1):
+                 events: bool = False, mamba_max_states_per_path: int = -1, victims: bool = False):
         if page_size < 1:
             raise ValueError("page_size must be >= 1")
         self.page_size = page_size
         self._pb = page_size * 4
-        self._params = (page_size, window, mamba_chunk, events, mamba_max_states_per_path)
+        self._params = (page_size, window, mamba_chunk, events, mamba_max_states_per_path, victims)
+        self._victims: Optional[list] = [] if victims else None  # deleted D-leaves, for a host tier below
         self.counters = TreeCounters()
         self._clock = 0.0
         self._ids = itertools.count(1)
@@ -464,7 +480,26 @@ class HybridTree:
         self._update_leaf(node)  # the only node of the path that can be a leaf
 
     # ------------------------------------------------------------- eviction
+    def _victim(self, node: HNode) -> Victim:
+        """What a host tier needs to keep a copy of the prefix ending at this leaf."""
+        path = []
+        while node.parent is not None:
+            path.append(node)
+            node = node.parent
+        end = sum(nd.n for nd in path)
+        floor, mamba = end, path[0].mamba
+        if self.swa is not None:
+            for nd in path:  # the SWA run that ends at the leaf, leaf upwards
+                if not nd.swa:
+                    break
+                floor -= nd.n
+            floor = max(floor, end - self.swa.tail_len)
+        full = np.concatenate([nd.full for nd in reversed(path)]) if len(path) > 1 else path[0].full
+        return Victim(path[0].ns, b"".join(nd.key for nd in reversed(path)), full, floor, mamba)
+
     def _delete_leaf(self, node: HNode, frees: HybridFrees, tracker: dict) -> None:
+        if self._victims is not None:
+            self._victims.append(self._victim(node))
         if self._ev is not None:
             self._record(REMOVED, FULL, node)
         n = len(node.full)
@@ -508,7 +543,10 @@ class HybridTree:
             if comp is not None and want > tracker[comp.name]:
                 comp.evict_walk(want, tracker, frees)
         self.counters.evicted_tokens_device += tracker[FULL]
-        return HybridEvicted(tracker[FULL], tracker[SWA], tracker[MAMBA], frees)
+        out = HybridEvicted(tracker[FULL], tracker[SWA], tracker[MAMBA], frees)
+        if self._victims:
+            out.victims, self._victims = self._victims, []
+        return out
 
     # ------------------------------------------------------------- events
     def _digests(self, node: HNode) -> bytes:
@@ -633,8 +671,7 @@ class HybridTree:
             raise LocksHeld(f"{len(self._receipts)} lock receipts are outstanding")
         held = self.held()
         ids, rids, counters, ev = self._ids, self._rids, self.counters, self._ev
-        page_size, window, chunk, events, cap = self._params
-        self.__init__(page_size, window, chunk, events, cap)
+        self.__init__(*self._params)
         self._ids, self._rids, self.counters = ids, rids, counters
         if ev is not None:
             ev.append((CLEARED, FULL, b"", None, b"", DEFAULT_NS))
