@@ -236,7 +236,7 @@ def test_a_sliding_window_model_keeps_vllms_hybrid_manager_through_the_hybrid_co
     model = request.getfixturevalue("gemma3_dir" if arch == "gemma3" else "gptoss_dir")
     reference = _engine(model, [P + SUFFIX])
     srv = ServerProc("--num-slots", "8192", "--page-size", str(BLOCK), "--model-config",
-                     os.path.join(model, "config.json"), "--hybrid-cache", "--swa-ratio", "0.5")
+                     os.path.join(model, "config.json"), "--hybrid-cache", "--swa-ratio", "0.5", "--host-slots", "2048")
     hybrid = ("--hybrid",)
     try:
         with CacheClient(srv.target, name="test") as c:
@@ -252,16 +252,31 @@ def test_a_sliding_window_model_keeps_vllms_hybrid_manager_through_the_hybrid_co
             assert all(x["compared"] >= 63 if x["pool"] == "swa" else x["compared"] == 192 for x in res["layers"]), res
             b = _engine(model, [P + SUFFIX], srv.target, extra=hybrid)
             assert b[0]["cached"] == 192 and b[0]["tokens"] == reference[0]["tokens"]
-            _settled(c)
             _overwrite_swa(c, P[:192], 0, 96)  # below the window vLLM loads (the last 2 blocks before 192)
             same = _engine(model, [P + SUFFIX], srv.target, extra=hybrid)
             assert same[0]["cached"] == 192 and same[0]["tokens"] == reference[0]["tokens"]
+            _from_host(c, model, reference[0]["tokens"], hybrid)  # the host keeps (and restores) the window only
             _overwrite_swa(c, P[:192], 128, 192)  # the window
             bad = _engine(model, [P + SUFFIX], srv.target, extra=hybrid)
             assert bad[0]["cached"] == 192 and bad[0]["tokens"] != reference[0]["tokens"]
             _settled(c)
     finally:
         srv.stop()
+
+
+def _from_host(c: CacheClient, model: str, want: list[int], hybrid: tuple) -> None:
+    """Evict everything from the device (radixd's host tier keeps a copy), then an engine runs P + SUFFIX again:
+    its lookup loads P's 192 tokens back from the host, the engine hits all of them and generates `want`; what
+    the device holds after the load-back is the model's true K/V (SWA: the window; Mamba: the state at 192)."""
+    c.evict_hybrid(1 << 20)  # every leaf, with all its components
+    s = _settled(c)
+    assert s["cached_tokens"] == 0 and s["host_cached_tokens"] >= 192, s
+    back = _engine(model, [P + SUFFIX], c.target, extra=hybrid)
+    assert back[0]["cached"] == 192 and back[0]["tokens"] == want
+    s = _settled(c)
+    assert s["load_back_tokens_total"] == 192, s
+    res = _true_kv(model, c.target)
+    assert res["ok"], res
 
 
 @pytest.fixture(scope="module")
@@ -320,16 +335,15 @@ def test_a_mamba_hybrid_keeps_its_states_in_radixds_state_pool(nemotron_dir):
         srv.stop()
     # radixd's checkpoint interval (--mamba-chunk 128): a miss publishes states at 128 and at the prompt's last
     # block boundary (192) only, and a hit still resumes exactly
+    # (and with a host tier: evicted from the device, the prefix and its state come back from the host)
     srv = ServerProc("--num-slots", "8192", "--page-size", "64", "--model-config", os.path.join(model, "config.json"),
-                     "--hybrid-cache", "--mamba-states", "32", "--mamba-chunk", "128")
+                     "--hybrid-cache", "--mamba-states", "32", "--mamba-chunk", "128", "--host-slots", "1024")
     try:
         with CacheClient(srv.target, name="test") as c:
             _engine(model, [P], srv.target, extra=hybrid)
             s = _settled(c)
             assert s["cached_tokens"] == 192 and s["mamba_evictable"] == 2, s
-            b = _engine(model, [P + SUFFIX], srv.target, extra=hybrid)
-            assert b[0]["cached"] == 192 and b[0]["tokens"] == reference[0]["tokens"]
-            _settled(c)
+            _from_host(c, model, reference[0]["tokens"], hybrid)
     finally:
         srv.stop()
 
