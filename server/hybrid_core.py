@@ -4,7 +4,9 @@ Same contract as `CacheCore` (every batch is validated whole before anything cha
 locks), plus what the components need: FULL slots come with their SWA twins (radixd's translation, so a worker
 addresses both pools from the FULL slots), a request holds state slots, a match can copy the tree's state into
 the request's own slot (copy-on-write: the tree's state is never written), and every free the tree returns is
-executed per pool. Device tier only; namespaces (extra_key / cache_salt) are the tree's separate roots.
+executed per pool. Namespaces (extra_key / cache_salt) are the tree's separate roots. With a host tier
+(`hybrid_tiers.HybridHostTier`), what the device evicts is copied down first and a match loads a longer host
+prefix back before it answers.
 """
 from __future__ import annotations
 

@@ -20,8 +20,15 @@ Where radixd differs from SGLang 0.5.23, on purpose:
     window twins, a translation the pool layer owns (`swa` frees name FULL slots whose twins go, as SGLang's
     own tree-side frees do); recovering a tombstone under a locked FULL returns a `swa_moves` pair instead of
     rewriting the allocator's mapping;
-  * device tier only: SGLang's hybrid HiCache cannot run on CPU (its copies need CUDA kernels), so there is
-    nothing to prove a host tier against here; FULL-only models keep radixd's host and L3 tiers;
+  * the host tier is not a second state of each node (SGLang's HiCache: host values beside device values, host
+    locks, backups while the node stays on the device) but a second HybridTree below this one, used as a victim
+    cache (server/hybrid_tiers.py): with `victims=True` an eviction reports every D-leaf it deletes (`Victim`:
+    its whole prefix, FULL slots, the start of the SWA run it ends with, its state) so the caller copies it
+    down before freeing; a load-back is an insert into this tree. Both trees keep every rule of this one, so a
+    host match ends only where a window of SWA KV and a state were copied. SGLang's hybrid HiCache cannot run
+    on CPU (its copies need CUDA kernels), so the host tier is proven against ground truth (the values and the
+    model's true K/V and states) instead of side by side; R5.10's `swa_reprefill_tail_tokens` is always 0
+    here, as the host keeps the window;
   * no EAGLE bigram keys.
 
 Namespaces (extra_key, cache_salt) are separate roots, as in the plain tree: a prefix cached under one is
@@ -698,7 +705,7 @@ class HybridTree:
     def cached_tokens(self) -> int:
         return self.evictable[FULL] + self.protected[FULL]
 
-    # a hybrid tree has no host tier: these read as the plain tree's do without one
+    # a hybrid tree has no host half (its host tier is a tree of its own): these read as a plain tree's without one
     write_policy = None
     bigram = False
     host_evictable_size = host_protected_size = host_cached_tokens = 0

@@ -152,3 +152,51 @@ def test_a_state_pool_in_gpu_memory_is_shared_over_cuda_ipc_and_copies_on_the_de
         p.join(60)
     finally:
         pool.close()
+
+
+def test_a_hybrid_host_tier_copies_between_gpu_pools_and_pinned_host_pools():
+    """A hybrid model on the GPU with a host tier: values written into the device FULL, SWA and state pools
+    survive an eviction to the pinned host pools and come back, byte exact, through a match."""
+    import asyncio
+    import json
+    import tempfile
+
+    import torch
+
+    from radixd.server.app import build_core
+    from radixd.server.config import load
+    from radixd.server.core import Item
+
+    from ..test_service_hybrid import PAGE, TRI_CONFIG, WINDOW, prefix_values
+    path = f"{tempfile.mkdtemp()}/config.json"
+    with open(path, "w") as f:
+        json.dump(TRI_CONFIG, f)
+    cfg = load(dict(model_config=path, hybrid_cache=True, num_slots=256, page_size=PAGE, swa_ratio=0.5,
+                    mamba_states=8, device="cuda", metrics_addr="", host_slots=1024, load_back_threshold=0))
+    core = build_core(cfg, uuid.uuid4().hex)
+    try:
+        s = core.attach("gpu")
+        tokens = np.random.default_rng(3).integers(0, 300, 64, dtype=np.int32)
+        full, twins, states, _ = asyncio.run(core.alloc_slots(s, [64], 1))
+        vals = torch.from_numpy(prefix_values(tokens)).cuda()
+
+        def gpu(a):  # a cupy view as a torch tensor over the same memory
+            return torch.as_tensor(a, device="cuda")
+        kv, swa = gpu(core.device_pools[0].layer(0, "k")), gpu(core.swa_pool.layer(0, "k"))
+        conv = gpu(core.state_pool.views["conv.0"])
+        kv[torch.from_numpy(full[0]).cuda()] = vals[:, None, None]
+        swa[torch.from_numpy(twins[0]).cuda()] = vals[:, None, None]
+        conv[int(states[0])] = vals[-1]
+        torch.cuda.synchronize()
+        core.cache_finished(s, [Item(tokens, full[0], ("", ""), 0, 0, 0, None, 0, int(states[0]))])
+        assert asyncio.run(core.evict(1 << 20))[0] == 64 and core.stats()["host_cached_tokens"] == 64
+        (m, _, _), = core.match_hybrid(s, [(tokens, ("", ""), False, False, False)])
+        assert m.matched_len == 64 and core.stats()["load_back_tokens_total"] == 64
+        assert torch.equal(kv[torch.from_numpy(m.indices).cuda(), 0, 0], vals)
+        tw = torch.from_numpy(core.swa_twins(m.indices)[-WINDOW:]).cuda()
+        assert torch.equal(swa[tw, 0, 0], vals[-WINDOW:])
+        assert bool((conv[m.mamba_src] == vals[-1]).all())
+        assert core.check() == []
+    finally:
+        for p in core.all_pools():
+            p.close()
