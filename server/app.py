@@ -114,6 +114,7 @@ def build_hybrid_core(cfg: Config, instance_id: str, backend: str) -> CacheCore:
     from .hybrid_core import HybridCore
     from .hybrid_tiers import HybridHostTier
     from .pools.hybrid import StatePool, SwaTranslation, state_pool_bytes
+    from .tree.events import CPU
     from .tree.hybrid import HybridTree
     lay = cfg._layout
     if len(cfg.gpus) > 1:
@@ -179,15 +180,15 @@ def build_hybrid_core(cfg: Config, instance_id: str, backend: str) -> CacheCore:
         raise
     window = lay.window if lay.swa_layers else None
     chunk = cfg.mamba_chunk if lay.state_layers else None
-    tree = HybridTree(cfg.page_size, window=window, mamba_chunk=chunk,
-                      events=bool(cfg.kv_events or cfg.kv_events_endpoint or cfg.kv_events_replay_endpoint),
-                      victims=bool(host_slots))
+    events = bool(cfg.kv_events or cfg.kv_events_endpoint or cfg.kv_events_replay_endpoint)
+    tree = HybridTree(cfg.page_size, window=window, mamba_chunk=chunk, events=events, victims=bool(host_slots))
     swa_pool = pools[1] if swa_spec is not None else None
     state_pool = pools[2 if swa_spec is not None else 1] if lay.state_layers else None
     host_tier = None
     if host_slots:
         host_tier = HybridHostTier(
-            HybridTree(cfg.page_size, window=window, mamba_chunk=chunk), SlotAllocator(host_slots, cfg.page_size),
+            HybridTree(cfg.page_size, window=window, mamba_chunk=chunk, events=events, medium=CPU),
+            SlotAllocator(host_slots, cfg.page_size),
             host_pools[0], swa=SwaTranslation(host_slots, host_swa, cfg.page_size) if swa_spec else None,
             swa_pool=host_pools[1] if swa_spec is not None else None,
             states=SlotAllocator(host_states) if host_states else None,
@@ -401,7 +402,8 @@ async def _run(cfg: Config, core: CacheCore, instance_id: str, sockets: list[str
     metrics = Metrics(core)
     if core.tree.events_enabled:
         try:
-            core.attach_events(EventHub(core.tree.take_records, core.tree.raw_events, cfg.kv_events_buffer,
+            take = core.take_records if getattr(core, "host_tier", None) is not None else core.tree.take_records
+            core.attach_events(EventHub(take, core.tree.raw_events, cfg.kv_events_buffer,
                                         cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint, cfg.kv_events_topic,
                                         cfg.kv_events_watcher_queue))
             await core.events.start()

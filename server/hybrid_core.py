@@ -47,6 +47,10 @@ class HybridCore(HybridShelf, CacheCore):
         own = self.device_pools + [p for p in (self.swa_pool, self.state_pool) if p is not None]
         return own + (self.host_tier.pools() if self.host_tier is not None else [])
 
+    def take_records(self) -> tuple[list, int]:
+        """The event hub's feed with a host tier: the device tree's events (GPU), then the host tree's (CPU)."""
+        return self.tree.take_events() + self.host_tier.tree.take_events(), 0
+
     def _evict(self, full: int = 0, swa: int = 0, mamba: int = 0):
         """Evict on the device; with a host tier, what goes is copied down before its slots are freed."""
         r = self.tree.evict(full, swa, mamba)

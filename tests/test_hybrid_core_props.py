@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -175,11 +176,33 @@ class HostTierMachine(HybridCoreMachine):
     test wrote (FULL KV, the window's SWA KV, the state): a copy in either direction that lost or misplaced a
     byte fails here. The host tier's checker (its tree, conservation per host pool) runs after every step."""
 
-    SLOTS, HOST = 128, {"host_slots": 384, "load_back_threshold": 0}
+    SLOTS, HOST = 128, {"host_slots": 384, "load_back_threshold": 0, "kv_events": True}
 
     @rule(tokens=st.integers(0, 60))
     def evict_host(self, tokens):
         _run(self.core.evict(0, tokens))
+
+    @invariant()
+    def events_rebuild_both_tiers(self):
+        """A follower of the KV events holds, per medium and component, exactly the pages each tier's tree holds:
+        a demotion is a GPU removal and a CPU store, a load-back a GPU store."""
+        from radixd.server.tree.events import CPU, GPU, BlockStored
+
+        from .test_tree_hybrid import tree_pages
+        if not hasattr(self, "follower"):
+            self.follower = {}
+        for ev in self.core.take_records()[0]:
+            known = self.follower.setdefault((ev.medium, ev.group_idx), Counter())
+            if isinstance(ev, BlockStored):
+                known.update(ev.block_hashes)
+            else:
+                for h in ev.block_hashes:
+                    assert known[h] > 0, "a page removed that was never stored"
+                    known[h] -= 1
+        for medium, tree in ((GPU, self.core.tree), (CPU, self.core.host_tier.tree)):
+            want = tree_pages(tree, PAGE)
+            got = {g: +self.follower.get((medium, g), Counter()) for g in want}
+            assert got == {g: +c for g, c in want.items()}, medium
 
     @invariant()
     def host_consistent(self):

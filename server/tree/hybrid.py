@@ -176,12 +176,14 @@ class HybridTree:
     FULL = FULL
 
     def __init__(self, page_size: int = 1, window: Optional[int] = None, mamba_chunk: Optional[int] = None,
-                 events: bool = False, mamba_max_states_per_path: int = -1, victims: bool = False):
+                 events: bool = False, mamba_max_states_per_path: int = -1, victims: bool = False,
+                 medium: str = GPU):
         if page_size < 1:
             raise ValueError("page_size must be >= 1")
         self.page_size = page_size
         self._pb = page_size * 4
-        self._params = (page_size, window, mamba_chunk, events, mamba_max_states_per_path, victims)
+        self._params = (page_size, window, mamba_chunk, events, mamba_max_states_per_path, victims, medium)
+        self.medium = medium  # what events say the pages sit in (a host tier's tree: CPU)
         self._victims: Optional[list] = [] if victims else None  # deleted D-leaves, for a host tier below
         self.counters = TreeCounters()
         self._clock = 0.0
@@ -606,11 +608,11 @@ class HybridTree:
             group = self.groups[comp]
             if kind == STORED:
                 out.push(BlockStored(hashes, None if parent is None else _hashes.block_hash(parent),
-                                     np.frombuffer(key, "<i4").tolist(), self.page_size, GPU,
+                                     np.frombuffer(key, "<i4").tolist(), self.page_size, self.medium,
                                      cache_salt=salt or None, lora_name=lora or None, group_idx=group, kv_cache_spec_kind=kinds[comp],
                                      kv_cache_spec_sliding_window=window if comp == SWA else None))
             else:
-                out.push(BlockRemoved(hashes, GPU, group_idx=group))
+                out.push(BlockRemoved(hashes, self.medium, group_idx=group))
         return out.events
 
     # ------------------------------------------------------------- views
