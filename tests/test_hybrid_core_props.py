@@ -226,3 +226,35 @@ TestHostTier = HostTierMachine.TestCase
 def test_the_host_tier_machine_loaded_back():
     """The machine above is not vacuous: in its runs the host tier served hits (it runs first, by file order)."""
     assert _LOADED and sum(1 for n in _LOADED if n[0]) >= 5, _LOADED
+
+
+def test_the_host_tier_keeps_namespaces_apart():
+    """A prefix demoted under one cache_salt is loaded back under that salt only; under another salt (or none)
+    the same tokens miss on both tiers."""
+    import tempfile
+
+    from radixd.server.app import build_core
+    from radixd.server.config import load
+    from radixd.server.core import Item
+    path = f"{tempfile.mkdtemp()}/config.json"
+    with open(path, "w") as f:
+        json.dump(TRI_CONFIG, f)
+    cfg = load(dict(model_config=path, hybrid_cache=True, num_slots=128, page_size=PAGE, swa_ratio=0.5,
+                    mamba_states=8, device="cpu", metrics_addr="", host_slots=256, load_back_threshold=0))
+    core = build_core(cfg, uuid.uuid4().hex)
+    try:
+        s = core.attach("ns")
+        tokens = np.arange(1, 33, dtype=np.int32)
+        full, _, held, _ = _run(core.alloc_slots(s, [32], 1))
+        salted = ("", "tenant-a")
+        core.cache_finished(s, [Item(tokens, full[0], salted, 0, 0, 0, None, 0, int(held[0]))])
+        assert _run(core.evict(1 << 20))[0] == 32 and core.stats()["host_cached_tokens"] == 32
+        for ns in (("", ""), ("", "tenant-b"), ("lora", "tenant-a")):
+            (m, _, _), = core.match_hybrid(s, [(tokens, ns, False, False, False)])
+            assert m.matched_len == 0 and core.stats()["load_back_tokens_total"] == 0, ns
+        (m, _, _), = core.match_hybrid(s, [(tokens, salted, False, False, False)])
+        assert m.matched_len == 32 and core.stats()["load_back_tokens_total"] == 32
+        assert core.check() == []
+    finally:
+        for p in core.all_pools():
+            p.close()
