@@ -316,6 +316,9 @@ def _check_hybrid(cfg: Config, origin: dict[str, str]) -> None:
     for name, on in (("storage", cfg.storage), ("bigram", cfg.bigram)):
         if on:
             raise ConfigError(f"{src} and {origin[name]}: a hybrid model has no L3 tier and no bigram keys yet")
+    if "write_policy" in origin and cfg.write_policy != "write_back":
+        raise ConfigError(f"{src} and {origin['write_policy']}: a hybrid model's host tier copies what the device "
+                          "evicts (write_back); it has no write-through policy")
     lay = cfg._layout
     if lay.swa_layers and not cfg.swa_ratio:
         raise ConfigError(f"{origin.get('swa_ratio', 'swa_ratio')}: 0 leaves the sliding-window layers no pool")
