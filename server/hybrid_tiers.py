@@ -207,10 +207,13 @@ class HybridHostTier(HybridShelf):
     # ---------------------------------------------------------------- host -> device
     def load(self, tokens: TokenInput, ns: Namespace, dev: Any) -> int:
         """Bring the host's longer prefix of tokens back to the device tree; returns tokens loaded (0: none)."""
-        hm = self.tree.match_prefix(tokens, ns)
-        if not hm.matched_len:
+        have = self.tree.cached_prefix_len(tokens, ns)  # a walk that touches nothing: most matches stop here
+        if not have:
             return 0
         dm = dev.tree.match_prefix(tokens, ns)
+        if have - dm.matched_len < max(self.threshold, 1):
+            return 0
+        hm = self.tree.match_prefix(tokens, ns)
         d, hl = dm.matched_len, hm.matched_len
         if hl - d < max(self.threshold, 1):
             return 0
