@@ -558,12 +558,11 @@ class RadixTree(TransferMixin, StorageMixin):
             raise InvalidInput(f"prev_prefix_len {prev_prefix_len} outside [0, {aligned}]")
         if prev_prefix_len and self._cached_len(kb, namespace) < prev_prefix_len:
             raise InvalidInput(f"prev_prefix_len {prev_prefix_len} exceeds the cached prefix")
-        vb = vals[:aligned].tobytes()
         root = self._root(namespace, create=aligned > 0)
         if root is None:  # nothing to cache in a namespace never seen: allocate nothing
             return InsertResult(0, self._roots[DEFAULT_NS].id, _EMPTY, 0, vals)
         node, off, pb, isz, n = root, 0, self._page_b, self._isz, aligned * self._isz
-        dups: list[bytes] = []
+        dups: list[np.ndarray] = []
         dev_end = -1  # byte offset where the device-resident part of the path ended
         unevicted = 0
         stopped = False
@@ -584,12 +583,12 @@ class RadixTree(TransferMixin, StorageMixin):
                     break
                 if dev_end < 0:
                     dev_end = off
-                self._unevict(child, vb[pos * 4:(pos + length) * 4])
+                self._unevict(child, vals[pos:pos + length].tobytes())
                 unevicted += length
             else:
                 dup_from = max(pos, prev_prefix_len)
                 if dup_from < pos + length:
-                    dups.append(vb[dup_from * 4:(pos + length) * 4])
+                    dups.append(vals[dup_from:pos + length])
             self._tick += 1
             child.last_access = self._tick
             if priority > child.priority:
@@ -606,7 +605,9 @@ class RadixTree(TransferMixin, StorageMixin):
             dev_end = off
         if off < n and not stopped:
             pos = off // isz
-            leaf = Node(self._mint(), node, kb[off:n], vb[pos * 4:], self._next_tick(), priority, namespace)
+            # only the slots the tree keeps are packed: a long prompt's cached part is never copied
+            leaf = Node(self._mint(), node, kb[off:n], vals[pos:aligned].tobytes(), self._next_tick(), priority,
+                        namespace)
             node.children[leaf.key[:pb]] = leaf
             self._nodes[leaf.id] = leaf
             self.evictable_size += aligned - pos  # a new leaf is unlocked even under a locked parent
@@ -623,7 +624,7 @@ class RadixTree(TransferMixin, StorageMixin):
         adopted = (off - dev_end) // isz
         self.counters.inserted_tokens += adopted
         backups = self._backup_chain(want_backup) if want_backup is not None else ()
-        dup = np.frombuffer(b"".join(dups), dtype="<i4") if dups else _EMPTY
+        dup = np.concatenate(dups) if dups else _EMPTY  # a copy: never a view of the caller's array
         return InsertResult(dev_end // isz, node.id, dup, adopted, vals[off // isz:], unevicted, backups)
 
     def _unevict(self, node: Node, value: bytes) -> None:
