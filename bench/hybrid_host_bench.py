@@ -59,7 +59,7 @@ def one_run(config: str, prefixes: int, tokens: int, tp: int, seed: int) -> dict
         evicted = asyncio.run(core.evict(1 << 30))[0]
         demote = time.perf_counter() - t
         st = core.stats()
-        assert evicted == prefixes * tokens and st["host_cached_tokens"] == evicted, (evicted, {k: v for k, v in st.items() if "host" in k})
+        assert evicted == prefixes * tokens and st["host_cached_tokens"] == evicted, (evicted, st)
         t = time.perf_counter()
         for toks in reqs:
             (m, _, _), = core.match_hybrid(s, [(toks, ("", ""), False, False, False)])

@@ -347,6 +347,7 @@ class HybridCore(HybridShelf, CacheCore):
             bad.append("free + tree + held + in_flight != capacity")
         if self.host_tier is not None:
             bad += self.host_tier.check()
-            if (self.alloc.owner == TRANSIT).any() or (self.states is not None and (self.states.owner == TRANSIT).any()):
+            transit = (self.alloc.owner == TRANSIT).any()
+            if transit or (self.states is not None and (self.states.owner == TRANSIT).any()):
                 bad.append("device slots left in transit by a load-back")
         return bad

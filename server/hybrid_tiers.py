@@ -171,6 +171,9 @@ class HybridHostTier(HybridShelf):
     def _demote_one(self, v: Victim, dev: HybridShelf) -> None:
         page = self.alloc.page_size
         end = len(v.full)
+        if self.tree.cached_prefix_len(v.key, v.ns) >= end and \
+                self.tree.match_prefix(v.key, v.ns).matched_len >= end:
+            return  # the host serves all of it already (loaded back earlier and evicted again): nothing to copy
         floor = v.swa_floor if self.swa is not None else end
         for _ in range(3):  # making room may evict part of the host prefix this copy relies on: recount
             have = self.tree.cached_prefix_len(v.key, v.ns)
@@ -184,10 +187,6 @@ class HybridHostTier(HybridShelf):
             self._room(pages, swa_pages, states)
         else:
             raise Exhausted("host tier: no room")
-        if start >= end and self.tree.mamba is None:
-            return  # the host holds all of it already
-        if not pages and self.tree.mamba is not None and self.tree.match_prefix(v.key, v.ns).matched_len >= end:
-            return  # ...with a state at its end
         new = self.alloc.alloc(end - start, TRANSIT) if pages else np.zeros(0, np.int64)
         self._copy(dev.device_pools[0], v.full[start:], self.kv_pool, new)
         if self.swa is not None and end > floor:

@@ -203,8 +203,8 @@ def test_a_host_tier_keeps_what_the_device_evicts_and_loads_it_back_byte_exact(t
     with CacheClient(tri_host.target, name="top") as c:
         buf = io.StringIO()
         run(c, interval=0.05, iterations=1, console=Console(file=buf, width=150))
-    rows = {" ".join(r[:2]): r[2:] for r in ([x for x in line.split() if x != "│"] for line in buf.getvalue().splitlines())
-            if len(r) > 3 and r[0] == "host"}
+    cells = ([x for x in line.split() if x != "│"] for line in buf.getvalue().splitlines())
+    rows = {" ".join(r[:2]): r[2:] for r in cells if len(r) > 3 and r[0] == "host"}
     assert rows["host swa"][:2] == ["768", str(st["host_swa_free_tokens"])], rows
     assert rows["host states"][:3] == ["40", str(st["host_mamba_free"]), str(st["host_mamba_cached"])], rows
 
