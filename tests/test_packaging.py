@@ -31,8 +31,8 @@ def test_wheel_installs_into_a_fresh_venv(tmp_path):
     names = zipfile.ZipFile(whl).namelist()
     tops = {n.split("/")[0] for n in names}
     assert "server" not in tops and "client" not in tops and "radixd" in tops
-    if os.environ.get("RADIXD_REQUIRE_NATIVE"):  # CI installs OpenSSL's headers: the native chain must be in
-        for ext in ("radixd/server/tree/_chain", "radixd/server/_kvevents"):
+    if os.environ.get("RADIXD_REQUIRE_NATIVE"):  # CI installs OpenSSL's headers: the native parts must be in
+        for ext in ("radixd/server/tree/_chain", "radixd/server/_kvevents", "radixd/server/tree/_hwalk"):
             assert any(n.startswith(ext) and n.endswith(".so") for n in names), (ext, names)
     # The wheel alone, beside the dependencies of the interpreter running the tests (a venv's or the system's:
     # its own site-packages, read without their .pth files, so an editable radixd there stays invisible).
@@ -44,9 +44,9 @@ def test_wheel_installs_into_a_fresh_venv(tmp_path):
             "radixd.proto.cache_pb2; assert sys.argv[1] in t.__file__, t.__file__; "
             "import importlib.util as u; assert u.find_spec('server') is None and u.find_spec('client') is None; "
             "from radixd.server.tree import hashes; from radixd.server import events; "
-            "from radixd.server.tree.hybrid import HybridTree; HybridTree(1, window=2, mamba_chunk=1); "
+            "from radixd.server.tree import hybrid; hybrid.HybridTree(1, window=2, mamba_chunk=1); "
             "import radixd.server.pools.hybrid, radixd.server.layouts; "
-            "assert (hashes.NATIVE and events.NATIVE) or not sys.argv[2]; "
+            "assert (hashes.NATIVE and events.NATIVE and hybrid.NATIVE) or not sys.argv[2]; "
             "print(t.RadixTree().insert([1, 2], [3, 4]).adopted_len)")
     out = subprocess.run([sys.executable, "-I", "-S", "-c", code, str(tmp_path / "site"),
                           os.environ.get("RADIXD_REQUIRE_NATIVE", ""), deps], capture_output=True, text=True,

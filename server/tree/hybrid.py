@@ -31,6 +31,10 @@ Where radixd differs from SGLang 0.5.23, on purpose:
     here, as the host keeps the window;
   * no EAGLE bigram keys.
 
+The match and the FULL lock walks run in C where setup.py could build `_hwalk.c` (the same steps on the same
+objects: `_match_path` and the Python loops in lock/unlock are its reference, and tests/test_hybrid_native.py
+runs both side by side on random operations); `native=False` asks for the Python path.
+
 Namespaces (extra_key, cache_salt) are separate roots, as in the plain tree: a prefix cached under one is
 never matched under another, a namespace's root goes when its last node does, and its page hashes are seeded
 from the cache_salt (events carry cache_salt and, as lora_name, the extra_key), exactly as the plain tree's.
@@ -52,7 +56,15 @@ from .events import (CLEARED, GPU, REMOVED, STORED, AllBlocksCleared, BlockRemov
 from .results import TreeCounters
 from .tree import DEFAULT_NS, Namespace, TokenInput, as_int32
 
+try:  # the match loops in C (setup.py builds them where a C compiler is); the Python path below is the reference
+    from . import _hwalk
+except ImportError:  # pragma: no cover - depends on the build machine
+    _hwalk = None
+
+NATIVE = _hwalk is not None
+
 _EMPTY64 = np.zeros(0, dtype=np.int64)
+_I32 = np.dtype("<i4")
 
 
 class HNode:
@@ -177,12 +189,12 @@ class HybridTree:
 
     def __init__(self, page_size: int = 1, window: Optional[int] = None, mamba_chunk: Optional[int] = None,
                  events: bool = False, mamba_max_states_per_path: int = -1, victims: bool = False,
-                 medium: str = GPU):
+                 medium: str = GPU, native: bool = True):
         if page_size < 1:
             raise ValueError("page_size must be >= 1")
         self.page_size = page_size
         self._pb = page_size * 4
-        self._params = (page_size, window, mamba_chunk, events, mamba_max_states_per_path, victims, medium)
+        self._params = (page_size, window, mamba_chunk, events, mamba_max_states_per_path, victims, medium, native)
         self.medium = medium  # what events say the pages sit in (a host tier's tree: CPU)
         self._victims: Optional[list] = [] if victims else None  # deleted D-leaves, for a host tier below
         self.counters = TreeCounters()
@@ -203,6 +215,9 @@ class HybridTree:
         self.protected = {c: 0 for c in (FULL, SWA, MAMBA)}
         self.groups = {c: i for i, c in enumerate(self.components)}  # component -> event group_idx
         self._ev: Optional[list] = [] if events else None
+        rules = tuple(c.native_rule() for c in self.aux)
+        # the C match (server/tree/_hwalk.c) and each component's rule for it; None: the Python path
+        self._rules = (_hwalk, rules) if native and _hwalk is not None and None not in rules else None
 
     # ------------------------------------------------------------- helpers
     def _clock_tick(self) -> float:
@@ -252,8 +267,10 @@ class HybridTree:
         return node
 
     def _key(self, tokens: TokenInput) -> bytes:
-        kb = as_int32(tokens).tobytes()
-        return kb[:len(kb) - len(kb) % self._pb]
+        arr = tokens if type(tokens) is np.ndarray and tokens.dtype == _I32 and tokens.ndim == 1 else \
+            as_int32(tokens)
+        cut = len(arr) - len(arr) % self.page_size
+        return (arr[:cut] if cut < len(arr) else arr).tobytes()
 
     def _common(self, a: bytes, b: bytes, off: int) -> int:
         """Page-aligned common prefix, in tokens, of a and b[off:]."""
@@ -289,16 +306,8 @@ class HybridTree:
         return upper
 
     # ------------------------------------------------------------- match
-    def match_prefix(self, tokens: TokenInput, namespace: Namespace = DEFAULT_NS) -> HybridMatch:
-        """Longest prefix every component can serve in this namespace; splits the edge it ends inside (as SGLang
-        does)."""
-        kb = self._key(tokens)
-        root = self._roots.get(namespace)
-        if root is None:  # a namespace never seen: nothing to match, nothing allocated
-            self.counters.queried_tokens += len(kb) >> 2
-            return HybridMatch(_EMPTY64, 0, self.root.id, 0)
-        if not kb:
-            return HybridMatch(_EMPTY64, 0, root.id, 0)
+    def _walk(self, root: HNode, kb: bytes) -> tuple[list, int]:
+        """Whole edges of kb from root, then the edge it ends inside, split there; and every matched token."""
         node, off, full_hit = root, 0, 0
         path: list[HNode] = []
         pb = self._pb
@@ -319,8 +328,14 @@ class HybridTree:
                 child = self._split(child, plen)
             path.append(child)
             break
+        return path, full_hit
+
+    def _match_path(self, root: HNode, kb: bytes) -> tuple[np.ndarray, HNode, int, int]:
+        """The reference of _hwalk.match: the walk, the deepest node every component accepts as a match end, its
+        refresh and access times; returns (FULL slots, that node, its depth, every matched token)."""
+        path, full_hit = self._walk(root, kb)
         best_n, settled = len(path), False
-        while not settled and best_n:  # the deepest node every component accepts as a match end
+        while not settled and best_n:
             settled = True
             for comp in self.aux:
                 n = comp.deepest(path, best_n)
@@ -339,6 +354,26 @@ class HybridTree:
             indices = best.full
         else:
             indices = np.concatenate([nd.full for nd in path[:best_n]]) if best_n else _EMPTY64
+        return indices, best, best_n, full_hit
+
+    def match_prefix(self, tokens: TokenInput, namespace: Namespace = DEFAULT_NS) -> HybridMatch:
+        """Longest prefix every component can serve in this namespace; splits the edge it ends inside (as SGLang
+        does)."""
+        kb = self._key(tokens)
+        root = self._roots.get(namespace)
+        if root is None:  # a namespace never seen: nothing to match, nothing allocated
+            self.counters.queried_tokens += len(kb) >> 2
+            return HybridMatch(_EMPTY64, 0, self.root.id, 0)
+        if not kb:
+            return HybridMatch(_EMPTY64, 0, root.id, 0)
+        if self._rules is not None:
+            indices, best, best_n, full_hit = self._rules[0].match(self, root, kb, self._pb, self._rules[1])
+            if indices is None:
+                indices = _EMPTY64
+            elif type(indices) is bytearray:
+                indices = np.frombuffer(indices, np.int64)
+        else:
+            indices, best, best_n, full_hit = self._match_path(root, kb)
         matched = len(indices)
         self.counters.queried_tokens += len(kb) >> 2
         self.counters.hit_tokens += matched
@@ -429,12 +464,15 @@ class HybridTree:
         receipt."""
         node = self._node(node_id)
         r = _Receipt(node, skip_mamba=skip_mamba)
-        cur, newly = node, 0
-        while cur.parent is not None:
-            if cur.lock == 0:
-                newly += cur.n
-            cur.lock += 1
-            cur = cur.parent  # only the anchor can be a leaf: every node above it has a child
+        if self._rules is not None:
+            newly = self._rules[0].lock_path(node, 1)
+        else:
+            cur, newly = node, 0
+            while cur.parent is not None:
+                if cur.lock == 0:
+                    newly += cur.n
+                cur.lock += 1
+                cur = cur.parent  # only the anchor can be a leaf: every node above it has a child
         if newly:
             self.evictable[FULL] -= newly
             self.protected[FULL] += newly
@@ -477,12 +515,15 @@ class HybridTree:
             if r.swa_released and comp.internal_priority <= self.swa.internal_priority:
                 continue
             comp.release(node, r)
-        cur, freed = node, 0
-        while cur.parent is not None:
-            if cur.lock == 1:
-                freed += cur.n
-            cur.lock -= 1
-            cur = cur.parent
+        if self._rules is not None:
+            freed = self._rules[0].lock_path(node, -1)
+        else:
+            cur, freed = node, 0
+            while cur.parent is not None:
+                if cur.lock == 1:
+                    freed += cur.n
+                cur.lock -= 1
+                cur = cur.parent
         if freed:
             self.evictable[FULL] += freed
             self.protected[FULL] -= freed

@@ -127,6 +127,11 @@ class Component:
     def refresh_match(self, node: "HNode") -> None:
         pass
 
+    def native_rule(self) -> Optional[tuple]:
+        """This component's deepest() and refresh_match() as data for the C match (server/tree/_hwalk.c); None:
+        the tree matches in Python."""
+        return None
+
     def refresh_insert(self, node: "HNode") -> None:
         pass
 

@@ -54,6 +54,9 @@ class MambaComponent(Component):
         if node.mamba >= 0:
             self.lru.reset_mru(node)
 
+    def native_rule(self) -> tuple:
+        return ("mamba", self.lru.prev, self.lru.next, self.lru.head)
+
     def commit(self, node: "HNode", new_leaf: bool, params, result) -> None:
         tree = self.tree
         if params.mamba_value is None or params.mamba_value < 0:

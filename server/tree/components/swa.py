@@ -66,6 +66,10 @@ class SwaComponent(Component):
 
     refresh_insert = refresh_match
 
+    def native_rule(self) -> tuple:
+        return ("swa", self.window, float(self.window + self.tree.page_size), self.lru.prev, self.lru.next,
+                self.lru.head)
+
     def _tombstone_tail(self, node: "HNode", start: int, end: int, floor: int):
         """Where node's SWA can live given the request's freed floor: None (nothing, or node has SWA already),
         else the start of the live part; node is split so it begins there."""
