@@ -11,6 +11,9 @@
  * lock_path(node, delta) -> int
  *     HybridTree.lock's and unlock's FULL walk: every node from node up to (not including) its root takes delta
  *     (1 or -1) on its lock count; returns the tokens of the nodes whose count went 0 -> 1 (or 1 -> 0).
+ * swa_acquire(node, window) -> (tokens, boundary), swa_release(node, uuid) -> [nodes]
+ *     SwaComponent's window lock walks (components/swa.py): the counting and the slock updates; the component
+ *     does the rest (counters, the boundary's mark, leaf updates and drops, in walk order).
  * A rule: ("swa", window, budget, prev, next, head) or ("mamba", prev, next, head); prev/next are the component's
  * Lru dicts (server/tree/components/base.py).
  * HybridTree._match_path is the Python reference (no C compiler at install, or native=False); a property test
@@ -21,13 +24,14 @@
 #include <string.h>
 #include <structmember.h>
 
-static PyObject *s_children, *s_key, *s_parent, *s_atime, *s_swa, *s_n, *s_mamba, *s_full, *s_lock, *s_clock;
+static PyObject *s_children, *s_key, *s_parent, *s_atime, *s_swa, *s_n, *s_mamba, *s_full, *s_lock, *s_slock, *s_suuid,
+    *s_clock;
 
 /* HNode's __slots__ are read and written at their offsets (what their member descriptors do, without the
  * attribute lookup); any other object, or a slot left unset, goes through the generic attribute protocol. */
-enum { K_CHILDREN, K_KEY, K_PARENT, K_ATIME, K_SWA, K_N, K_MAMBA, K_FULL, K_LOCK, K_SLOTS };
+enum { K_CHILDREN, K_KEY, K_PARENT, K_ATIME, K_SWA, K_N, K_MAMBA, K_FULL, K_LOCK, K_SLOCK, K_SUUID, K_SLOTS };
 static PyObject **slot_names[K_SLOTS] = {&s_children, &s_key, &s_parent, &s_atime, &s_swa, &s_n, &s_mamba, &s_full,
-                                         &s_lock};
+                                         &s_lock, &s_slock, &s_suuid};
 static PyTypeObject *node_type;
 static Py_ssize_t slot_at[K_SLOTS];
 
@@ -530,10 +534,120 @@ fail:
     return NULL;
 }
 
+static int add_to(PyObject *node, int k, Py_ssize_t delta, Py_ssize_t *was) {
+    PyObject *v = NULL;
+    if (attr_ssize(node, k, was) < 0 || (v = PyLong_FromSsize_t(*was + delta)) == NULL || nset(node, k, v) < 0) {
+        Py_XDECREF(v);
+        return -1;
+    }
+    Py_DECREF(v);
+    return 0;
+}
+
+static PyObject *swa_acquire(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "swa_acquire(node, window)");
+        return NULL;
+    }
+    Py_ssize_t window = PyLong_AsSsize_t(args[1]);
+    if (window == -1 && PyErr_Occurred())
+        return NULL;
+    learn_slots(Py_TYPE(args[0]));
+    Py_ssize_t covered = 0, moved = 0;
+    PyObject *node = args[0], *boundary = Py_None;
+    Py_INCREF(node);
+    Py_INCREF(boundary);
+    while (covered < window) {
+        PyObject *parent = nget(node, K_PARENT);
+        if (parent == NULL)
+            goto fail;
+        if (parent == Py_None) {
+            Py_DECREF(parent);
+            break;
+        }
+        Py_ssize_t slock, n;
+        int has = attr_true(node, K_SWA);
+        if (has < 0 || attr_ssize(node, K_N, &n) < 0 || add_to(node, K_SLOCK, 1, &slock) < 0) {
+            Py_DECREF(parent);
+            goto fail;
+        }
+        if (slock == 0 && has)
+            moved += n;
+        covered += n;
+        if (covered >= window) {
+            Py_DECREF(boundary);
+            boundary = node;
+            Py_INCREF(boundary);
+        }
+        Py_DECREF(node);
+        node = parent;
+    }
+    Py_DECREF(node);
+    return Py_BuildValue("(nN)", moved, boundary);
+fail:
+    Py_DECREF(node);
+    Py_DECREF(boundary);
+    return NULL;
+}
+
+static PyObject *swa_release(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "swa_release(node, uuid)");
+        return NULL;
+    }
+    Py_ssize_t uuid = PyLong_AsSsize_t(args[1]);
+    if (uuid == -1 && PyErr_Occurred())
+        return NULL;
+    learn_slots(Py_TYPE(args[0]));
+    PyObject *zeroed = PyList_New(0), *node = args[0];
+    if (zeroed == NULL)
+        return NULL;
+    Py_INCREF(node);
+    for (;;) {
+        PyObject *parent = nget(node, K_PARENT);
+        if (parent == NULL)
+            goto fail;
+        if (parent == Py_None) {
+            Py_DECREF(parent);
+            break;
+        }
+        Py_ssize_t slock, mark;
+        if (attr_ssize(node, K_SLOCK, &slock) < 0 || attr_ssize(node, K_SUUID, &mark) < 0) {
+            Py_DECREF(parent);
+            goto fail;
+        }
+        if (slock <= 0) {
+            PyObject *id = PyObject_GetAttrString(node, "id");
+            PyErr_Format(PyExc_AssertionError, "SWA release below zero on node %R", id ? id : Py_None);
+            Py_XDECREF(id);
+            Py_DECREF(parent);
+            goto fail;
+        }
+        if (add_to(node, K_SLOCK, -1, &slock) < 0 || (slock == 1 && PyList_Append(zeroed, node) < 0)) {
+            Py_DECREF(parent);
+            goto fail;
+        }
+        Py_DECREF(node);
+        node = parent;
+        if (uuid && mark == uuid)
+            break;
+    }
+    Py_DECREF(node);
+    return zeroed;
+fail:
+    Py_DECREF(node);
+    Py_DECREF(zeroed);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"match", (PyCFunction)(void (*)(void))match, METH_FASTCALL, "HybridTree.match_prefix's walk and refresh."},
     {"lock_path", (PyCFunction)(void (*)(void))lock_path, METH_FASTCALL,
      "A FULL lock on node's path (delta 1) or its release (-1): the tokens whose lock went 0 -> 1 or 1 -> 0."},
+    {"swa_acquire", (PyCFunction)(void (*)(void))swa_acquire, METH_FASTCALL,
+     "SwaComponent.acquire's walk: (tokens of SWA nodes newly locked, the node where the window filled or None)."},
+    {"swa_release", (PyCFunction)(void (*)(void))swa_release, METH_FASTCALL,
+     "SwaComponent._unlock_walk's walk: the nodes whose window lock went to 0, in walk order."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -541,10 +655,11 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_hwalk", "The hybrid
                                     methods};
 
 PyMODINIT_FUNC PyInit__hwalk(void) {
-    const char *names[] = {"children", "key", "parent", "atime", "swa", "n", "mamba", "full", "lock", "_clock"};
+    const char *names[] = {"children", "key", "parent", "atime", "swa", "n", "mamba", "full", "lock", "slock", "suuid",
+                           "_clock"};
     PyObject **slots[] = {&s_children, &s_key, &s_parent, &s_atime, &s_swa, &s_n, &s_mamba, &s_full, &s_lock,
-                          &s_clock};  /* interned */
-    for (int i = 0; i < 10; i++) {
+                          &s_slock, &s_suuid, &s_clock};  /* interned */
+    for (int i = 0; i < 12; i++) {
         *slots[i] = PyUnicode_InternFromString(names[i]);
         if (*slots[i] == NULL)
             return NULL;

@@ -119,6 +119,15 @@ class SwaComponent(Component):
     def acquire(self, node: "HNode", receipt) -> None:
         tree = self.tree
         window = self.window
+        if tree._rules is not None:  # the same walk in C (server/tree/_hwalk.c)
+            moved, at = tree._rules[0].swa_acquire(node, window)
+            if moved:
+                tree.evictable[SWA] -= moved
+                tree.protected[SWA] += moved
+            if at is not None and not at.suuid:
+                at.suuid = next(_uuids)
+            receipt.swa_uuid = at.suuid if at is not None else 0
+            return
         covered, boundary = 0, 0
         cur = node
         while cur.parent is not None and covered < window:
@@ -137,23 +146,32 @@ class SwaComponent(Component):
 
     def _unlock_walk(self, node: "HNode", uuid: int, frees=None) -> None:
         tree = self.tree
+        if tree._rules is not None:  # the same walk in C; what follows a lock reaching 0 here, in walk order
+            for cur in tree._rules[0].swa_release(node, uuid):
+                self._unlocked(cur, frees)
+            return
         cur = node
         while cur.parent is not None:
             if cur.slock <= 0:
                 raise AssertionError(f"SWA release below zero on node {cur.id}")
             cur.slock -= 1
             if cur.slock == 0:
-                if not cur.children:  # a node with a child is never a leaf
-                    tree._update_leaf(cur)
-                if cur.swa:
-                    n = cur.n
-                    tree.evictable[SWA] += n
-                    tree.protected[SWA] -= n
-                    if frees is not None and cur in tree._leaves:
-                        self.drop(cur, frees, None)
+                self._unlocked(cur, frees)
             if uuid and cur.suuid == uuid:
                 break
             cur = cur.parent
+
+    def _unlocked(self, cur: "HNode", frees) -> None:
+        """cur's window lock went to 0: it may be a leaf now, its SWA evictable (dropped now on a window release)."""
+        tree = self.tree
+        if not cur.children:  # a node with a child is never a leaf
+            tree._update_leaf(cur)
+        if cur.swa:
+            n = cur.n
+            tree.evictable[SWA] += n
+            tree.protected[SWA] -= n
+            if frees is not None and cur in tree._leaves:
+                self.drop(cur, frees, None)
 
     def release(self, node: "HNode", receipt) -> None:
         self._unlock_walk(node, receipt.swa_uuid)
