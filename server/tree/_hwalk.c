@@ -489,51 +489,6 @@ done:
     return out;
 }
 
-static PyObject *lock_path(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "lock_path(node, delta)");
-        return NULL;
-    }
-    Py_ssize_t delta = PyLong_AsSsize_t(args[1]);
-    if (delta == -1 && PyErr_Occurred())
-        return NULL;
-    if (delta != 1 && delta != -1) {
-        PyErr_SetString(PyExc_ValueError, "lock_path: delta is 1 or -1");
-        return NULL;
-    }
-    learn_slots(Py_TYPE(args[0]));
-    Py_ssize_t changed = 0;
-    PyObject *node = args[0];
-    Py_INCREF(node);
-    for (;;) {
-        PyObject *parent = nget(node, K_PARENT);
-        if (parent == NULL)
-            goto fail;
-        if (parent == Py_None) {
-            Py_DECREF(parent);
-            break;
-        }
-        Py_ssize_t lock, n;
-        PyObject *v = NULL;
-        if (attr_ssize(node, K_LOCK, &lock) < 0 || attr_ssize(node, K_N, &n) < 0 ||
-            (v = PyLong_FromSsize_t(lock + delta)) == NULL || nset(node, K_LOCK, v) < 0) {
-            Py_XDECREF(v);
-            Py_DECREF(parent);
-            goto fail;
-        }
-        Py_DECREF(v);
-        if (lock == (delta > 0 ? 0 : 1))
-            changed += n;
-        Py_DECREF(node);
-        node = parent;
-    }
-    Py_DECREF(node);
-    return PyLong_FromSsize_t(changed);
-fail:
-    Py_DECREF(node);
-    return NULL;
-}
-
 static int add_to(PyObject *node, int k, Py_ssize_t delta, Py_ssize_t *was) {
     PyObject *v = NULL;
     if (attr_ssize(node, k, was) < 0 || (v = PyLong_FromSsize_t(*was + delta)) == NULL || nset(node, k, v) < 0) {
@@ -544,27 +499,75 @@ static int add_to(PyObject *node, int k, Py_ssize_t delta, Py_ssize_t *was) {
     return 0;
 }
 
-static PyObject *swa_acquire(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs) {
+/* 1 and a new reference to node's parent, 0 at a root (no parent), -1 on error. */
+static int parent_of(PyObject *node, PyObject **parent) {
+    *parent = nget(node, K_PARENT);
+    if (*parent == NULL)
+        return -1;
+    if (*parent == Py_None) {
+        Py_DECREF(*parent);
+        return 0;
+    }
+    return 1;
+}
+
+/* (node, int) arguments; learns HNode's slots from the node's type. */
+static int node_and_int(PyObject *const *args, Py_ssize_t nargs, const char *sig, Py_ssize_t *value) {
     if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "swa_acquire(node, window)");
+        PyErr_SetString(PyExc_TypeError, sig);
+        return -1;
+    }
+    *value = PyLong_AsSsize_t(args[1]);
+    if (*value == -1 && PyErr_Occurred())
+        return -1;
+    learn_slots(Py_TYPE(args[0]));
+    return 0;
+}
+
+static PyObject *lock_path(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t delta;
+    if (node_and_int(args, nargs, "lock_path(node, delta)", &delta) < 0)
+        return NULL;
+    if (delta != 1 && delta != -1) {
+        PyErr_SetString(PyExc_ValueError, "lock_path: delta is 1 or -1");
         return NULL;
     }
-    Py_ssize_t window = PyLong_AsSsize_t(args[1]);
-    if (window == -1 && PyErr_Occurred())
+    Py_ssize_t changed = 0;
+    PyObject *node = args[0];
+    Py_INCREF(node);
+    PyObject *parent;
+    int up;
+    while ((up = parent_of(node, &parent)) > 0) {
+        Py_ssize_t lock, n;
+        if (attr_ssize(node, K_N, &n) < 0 || add_to(node, K_LOCK, delta, &lock) < 0) {
+            Py_DECREF(parent);
+            goto fail;
+        }
+        if (lock == (delta > 0 ? 0 : 1))
+            changed += n;
+        Py_DECREF(node);
+        node = parent;
+    }
+    if (up < 0)
+        goto fail;
+    Py_DECREF(node);
+    return PyLong_FromSsize_t(changed);
+fail:
+    Py_DECREF(node);
+    return NULL;
+}
+
+static PyObject *swa_acquire(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t window;
+    if (node_and_int(args, nargs, "swa_acquire(node, window)", &window) < 0)
         return NULL;
-    learn_slots(Py_TYPE(args[0]));
     Py_ssize_t covered = 0, moved = 0;
     PyObject *node = args[0], *boundary = Py_None;
     Py_INCREF(node);
     Py_INCREF(boundary);
-    while (covered < window) {
-        PyObject *parent = nget(node, K_PARENT);
-        if (parent == NULL)
-            goto fail;
-        if (parent == Py_None) {
-            Py_DECREF(parent);
-            break;
-        }
+    PyObject *parent;
+    int up = 0;
+    while (covered < window && (up = parent_of(node, &parent)) > 0) {
         Py_ssize_t slock, n;
         int has = attr_true(node, K_SWA);
         if (has < 0 || attr_ssize(node, K_N, &n) < 0 || add_to(node, K_SLOCK, 1, &slock) < 0) {
@@ -582,6 +585,8 @@ static PyObject *swa_acquire(PyObject *Py_UNUSED(self), PyObject *const *args, P
         Py_DECREF(node);
         node = parent;
     }
+    if (up < 0)
+        goto fail;
     Py_DECREF(node);
     return Py_BuildValue("(nN)", moved, boundary);
 fail:
@@ -591,26 +596,16 @@ fail:
 }
 
 static PyObject *swa_release(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "swa_release(node, uuid)");
+    Py_ssize_t uuid;
+    if (node_and_int(args, nargs, "swa_release(node, uuid)", &uuid) < 0)
         return NULL;
-    }
-    Py_ssize_t uuid = PyLong_AsSsize_t(args[1]);
-    if (uuid == -1 && PyErr_Occurred())
-        return NULL;
-    learn_slots(Py_TYPE(args[0]));
     PyObject *zeroed = PyList_New(0), *node = args[0];
     if (zeroed == NULL)
         return NULL;
     Py_INCREF(node);
-    for (;;) {
-        PyObject *parent = nget(node, K_PARENT);
-        if (parent == NULL)
-            goto fail;
-        if (parent == Py_None) {
-            Py_DECREF(parent);
-            break;
-        }
+    PyObject *parent;
+    int up;
+    while ((up = parent_of(node, &parent)) > 0) {
         Py_ssize_t slock, mark;
         if (attr_ssize(node, K_SLOCK, &slock) < 0 || attr_ssize(node, K_SUUID, &mark) < 0) {
             Py_DECREF(parent);
@@ -632,6 +627,8 @@ static PyObject *swa_release(PyObject *Py_UNUSED(self), PyObject *const *args, P
         if (uuid && mark == uuid)
             break;
     }
+    if (up < 0)
+        goto fail;
     Py_DECREF(node);
     return zeroed;
 fail:
