@@ -3,7 +3,8 @@
  * interpreter's per-node overhead.
  *
  * match(tree, root, kb, page_bytes, rules) -> (indices, best, best_n, hit_tokens)
- *     The walk along whole edges of packed key kb (children keyed by their first page); an edge the key ends
+ *     kb: packed int32 tokens (bytes, or a C-contiguous int32 array: no copy), its whole pages only.
+ *     The walk along whole edges of kb (children keyed by their first page); an edge the key ends
  *     inside is split through tree._split; then the deepest node every component accepts as a match end (each
  *     component's rule, in registration order, until none moves it), each component's LRU refresh there, the
  *     tree's clock tick (tree._clock) and the access times of the path (a parent just older than its child).
@@ -73,29 +74,13 @@ static inline int nset(PyObject *obj, int k, PyObject *v) {
     return PyObject_SetAttr(obj, *slot_names[k], v);
 }
 
-static PyObject *walk(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "walk(root, kb, page_bytes)");
-        return NULL;
-    }
-    PyObject *kbo = args[1];
-    if (!PyBytes_Check(kbo)) {
-        PyErr_SetString(PyExc_TypeError, "walk: the key must be bytes");
-        return NULL;
-    }
-    Py_ssize_t pb = PyLong_AsSsize_t(args[2]);
-    if (pb == -1 && PyErr_Occurred())
-        return NULL;
-    if (pb <= 0 || pb % 4) {
-        PyErr_Format(PyExc_ValueError, "walk: page of %zd bytes", pb);
-        return NULL;
-    }
-    const char *kb = PyBytes_AS_STRING(kbo);
-    Py_ssize_t len = PyBytes_GET_SIZE(kbo);
+/* The walk of match(): (path, hit_tokens, partial, common_tokens) for the whole pages of kb[:len]. */
+static PyObject *walk(PyObject *root, const char *kb, Py_ssize_t len, Py_ssize_t pb) {
+    len -= len % pb;
     PyObject *path = PyList_New(0);
     if (path == NULL)
         return NULL;
-    PyObject *node = args[0];
+    PyObject *node = root;
     Py_INCREF(node);
     PyObject *partial = NULL;
     Py_ssize_t off = 0, common = 0;
@@ -342,7 +327,7 @@ static PyObject *concat_impl(PyObject *path, Py_ssize_t limit) {
         PyObject *full = nget(PyList_GET_ITEM(path, got), K_FULL);
         if (full == NULL)
             goto done;
-        int r = PyObject_GetBuffer(full, &v[got], PyBUF_C_CONTIGUOUS | PyBUF_FORMAT);
+        int r = PyObject_GetBuffer(full, &v[got], PyBUF_C_CONTIGUOUS);  /* itemsize is set without the format */
         Py_DECREF(full);
         if (r < 0)
             goto done;
@@ -381,17 +366,31 @@ static PyObject *match(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssiz
     Py_ssize_t nrules = PyTuple_GET_SIZE(rules);
     for (Py_ssize_t r = 0; r < nrules; r++) {
         PyObject *rule = PyTuple_GET_ITEM(rules, r);
-        Py_ssize_t want = PyTuple_Check(rule) && PyTuple_GET_SIZE(rule) ? (
-            PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(rule, 0), "swa") == 0 ? 6 :
-            PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(rule, 0), "mamba") == 0 ? 4 : -1) : -1;
-        if (want < 0 || PyTuple_GET_SIZE(rule) != want || !PyDict_Check(PyTuple_GET_ITEM(rule, want - 3)) ||
-            !PyDict_Check(PyTuple_GET_ITEM(rule, want - 2))) {
+        Py_ssize_t size = PyTuple_Check(rule) ? PyTuple_GET_SIZE(rule) : 0;  /* 6: SWA, 4: MAMBA */
+        if ((size != 6 && size != 4) || !PyDict_Check(PyTuple_GET_ITEM(rule, size - 3)) ||
+            !PyDict_Check(PyTuple_GET_ITEM(rule, size - 2))) {
             PyErr_SetString(PyExc_TypeError, "match: a rule is ('swa', window, budget, prev, next, head) or "
                                              "('mamba', prev, next, head)");
             return NULL;
         }
     }
-    PyObject *w = walk(NULL, args + 1, 3);
+    Py_ssize_t pb = PyLong_AsSsize_t(args[3]);
+    if (pb == -1 && PyErr_Occurred())
+        return NULL;
+    if (pb <= 0 || pb % 4) {
+        PyErr_Format(PyExc_ValueError, "match: page of %zd bytes", pb);
+        return NULL;
+    }
+    Py_buffer key;  /* packed little-endian int32 tokens: bytes, or a C-contiguous int32 array */
+    if (PyObject_GetBuffer(args[2], &key, PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    if (key.itemsize != 4 && key.itemsize != 1) {
+        PyBuffer_Release(&key);
+        PyErr_SetString(PyExc_TypeError, "match: the key is packed int32 tokens");
+        return NULL;
+    }
+    PyObject *w = walk(root, key.buf, key.len, pb);
+    PyBuffer_Release(&key);
     if (w == NULL)
         return NULL;
     PyObject *path = PyTuple_GET_ITEM(w, 0), *partial = PyTuple_GET_ITEM(w, 2), *out = NULL, *indices = NULL;
@@ -481,8 +480,18 @@ static PyObject *match(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssiz
     } else {
         indices = concat_impl(path, best_n);
     }
-    if (indices != NULL)
-        out = Py_BuildValue("(NOnn)", indices, best, best_n, hit);
+    if (indices != NULL && (out = PyTuple_New(4)) != NULL) {
+        PyObject *n = PyLong_FromSsize_t(best_n), *h = PyLong_FromSsize_t(hit);
+        Py_INCREF(best);
+        PyTuple_SET_ITEM(out, 0, indices);
+        PyTuple_SET_ITEM(out, 1, best);
+        PyTuple_SET_ITEM(out, 2, n);
+        PyTuple_SET_ITEM(out, 3, h);
+        indices = NULL;
+        if (n == NULL || h == NULL)
+            Py_CLEAR(out);
+    }
+    Py_XDECREF(indices);
 done:
     Py_DECREF(path);
     Py_DECREF(w);

@@ -266,9 +266,15 @@ class HybridTree:
             raise StaleHandle(f"node handle {node_id} is stale: the node was evicted or never existed")
         return node
 
+    @staticmethod
+    def _tokens(tokens: TokenInput) -> np.ndarray:
+        """tokens as a C-contiguous little-endian int32 array (itself when it is one)."""
+        if type(tokens) is np.ndarray and tokens.dtype == _I32 and tokens.ndim == 1 and tokens.flags.c_contiguous:
+            return tokens
+        return np.ascontiguousarray(as_int32(tokens))
+
     def _key(self, tokens: TokenInput) -> bytes:
-        arr = tokens if type(tokens) is np.ndarray and tokens.dtype == _I32 and tokens.ndim == 1 else \
-            as_int32(tokens)
+        arr = self._tokens(tokens)
         cut = len(arr) - len(arr) % self.page_size
         return (arr[:cut] if cut < len(arr) else arr).tobytes()
 
@@ -359,23 +365,24 @@ class HybridTree:
     def match_prefix(self, tokens: TokenInput, namespace: Namespace = DEFAULT_NS) -> HybridMatch:
         """Longest prefix every component can serve in this namespace; splits the edge it ends inside (as SGLang
         does)."""
-        kb = self._key(tokens)
+        arr = self._tokens(tokens)
+        n = len(arr) - len(arr) % self.page_size
         root = self._roots.get(namespace)
         if root is None:  # a namespace never seen: nothing to match, nothing allocated
-            self.counters.queried_tokens += len(kb) >> 2
+            self.counters.queried_tokens += n
             return HybridMatch(_EMPTY64, 0, self.root.id, 0)
-        if not kb:
+        if not n:
             return HybridMatch(_EMPTY64, 0, root.id, 0)
-        if self._rules is not None:
-            indices, best, best_n, full_hit = self._rules[0].match(self, root, kb, self._pb, self._rules[1])
+        if self._rules is not None:  # the C match reads the whole pages of arr in place
+            indices, best, best_n, full_hit = self._rules[0].match(self, root, arr, self._pb, self._rules[1])
             if indices is None:
                 indices = _EMPTY64
             elif type(indices) is bytearray:
                 indices = np.frombuffer(indices, np.int64)
         else:
-            indices, best, best_n, full_hit = self._match_path(root, kb)
+            indices, best, best_n, full_hit = self._match_path(root, (arr[:n] if n < len(arr) else arr).tobytes())
         matched = len(indices)
-        self.counters.queried_tokens += len(kb) >> 2
+        self.counters.queried_tokens += n
         self.counters.hit_tokens += matched
         out = HybridMatch(indices, matched, best.id, full_hit)
         if self.swa is not None:
