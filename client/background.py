@@ -21,9 +21,14 @@ class Lookups:
     submitted since the last round, load-backs of host hits (when asked) waited for here. Results are taken by
     key; a lookup given up on is released when it lands."""
 
-    def __init__(self, client: CacheClient, load_back: bool, stores: "Stores", hybrid: bool = False):
+    def __init__(self, client: CacheClient, load_back: bool, stores: "Stores", hybrid: bool = False,
+                 linger: float = 0.001):
         self.client, self.load_back, self.stores = client, load_back, stores
         self.hybrid = hybrid  # a hybrid model's server: results are (FULL slots, receipt, SWA twins, state slot)
+        # while nobody waits on a lookup, a round waits up to `linger` for more requests (an engine adds a burst one
+        # by one): one MatchPrefix for the burst instead of one each; a waiter starts the round at once
+        self.linger = linger
+        self._waiters = 0
         self._cv = threading.Condition()
         self._queue: list[tuple[Hashable, np.ndarray, tuple, bool]] = []
         self._done: dict[Hashable, tuple[np.ndarray, int]] = {}
@@ -46,7 +51,12 @@ class Lookups:
         thread runs at once instead of after the interpreter's switch interval, 5 ms per hand-over)."""
         with self._cv:
             if rid not in self._done and wait > 0:
-                self._cv.wait_for(lambda: rid in self._done, wait)
+                self._waiters += 1
+                self._cv.notify_all()
+                try:
+                    self._cv.wait_for(lambda: rid in self._done, wait)
+                finally:
+                    self._waiters -= 1
             return self._done.pop(rid, None)
 
     def drop(self, rid: Hashable) -> None:
@@ -65,6 +75,12 @@ class Lookups:
                     self._cv.wait()
                 if self._stop and not self._queue:
                     return
+                until = time.monotonic() + self.linger
+                while not self._stop and not self._waiters:
+                    left = until - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cv.wait(left)
                 batch, self._queue = self._queue, []
                 self._busy = True
             results, failed = {}, []
@@ -137,7 +153,12 @@ class Lookups:
     def wait_idle(self, timeout: float) -> None:
         """Until no lookup is out (a request may be waiting on one: it goes first)."""
         with self._cv:
-            self._cv.wait_for(lambda: not (self._queue or self._busy), timeout)
+            self._waiters += 1
+            self._cv.notify_all()
+            try:
+                self._cv.wait_for(lambda: not (self._queue or self._busy), timeout)
+            finally:
+                self._waiters -= 1
 
     def close(self) -> None:
         with self._cv:

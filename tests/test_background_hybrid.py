@@ -94,3 +94,25 @@ def test_publishes_donate_states_and_give_the_donated_slots_back(server):
         assert probe.check() == []
         probe.close()
         c.close()
+
+
+def test_a_burst_of_lookups_is_one_matchprefix_and_a_waiter_starts_it_at_once(server):
+    """Requests an engine adds one by one while nobody waits go out together; the first take with a wait starts the
+    round (the linger here is far longer than the test, so only the waiter can have started it)."""
+    c = CacheClient(server.target, name="engine")
+    stores = Stores(c, PAGE, 64, hybrid=True, states=1)
+    lookups = Lookups(c, False, stores, hybrid=True, linger=60.0)
+    stores.first = lookups
+    try:
+        for i in range(8):
+            lookups.submit(i, np.arange(i * 100, i * 100 + 16, dtype=np.int32), {})
+        t = time.monotonic()
+        first = lookups.take(0, wait=30)
+        assert first is not None and time.monotonic() - t < 10
+        assert lookups.rpcs == 1  # the eight lookups in one MatchPrefix
+        assert all(lookups.take(i) is not None for i in range(1, 8))
+        assert lookups.idle()
+    finally:
+        lookups.close()
+        stores.close()
+        c.close()
