@@ -133,15 +133,41 @@ def test_native_and_python_agree_on_long_shared_prefixes(page):
 def test_the_native_match_refuses_bad_arguments_without_crashing():
     t = HybridTree(4, window=8, mamba_chunk=4)
     t.insert(np.arange(16, dtype=np.int32), np.arange(16), mamba_value=1)
-    native, rules = t._rules
+    native, rules, ctx = t._rules
     with pytest.raises(TypeError):
-        native.match(t, t.root, "not bytes", 16, rules)
+        native.match(t, t.root, "not bytes", 16, rules, ctx)
     with pytest.raises(ValueError):
-        native.match(t, t.root, b"\0" * 16, 6, rules)
+        native.match(t, t.root, b"\0" * 16, 6, rules, ctx)
     with pytest.raises(TypeError):
-        native.match(t, t.root, b"\0" * 16, 16, (("what", 1),))
+        native.match(t, t.root, b"\0" * 16, 16, (("what", 1),), ctx)
     with pytest.raises(TypeError):
         native.match(t, t.root, b"\0" * 16)
+    with pytest.raises(TypeError):  # the result's context is a 7-tuple
+        native.match(t, t.root, b"\0" * 16, 16, rules, ctx[:6])
+    with pytest.raises(ValueError):  # a negative MAMBA grid
+        native.match(t, t.root, b"\0" * 16, 16, rules, ctx[:5] + (-1,) + ctx[6:])
+    # a key it cannot read in place (int64, strided) goes back to be packed, and matches the same
+    assert native.match(t, t.root, np.arange(16, dtype=np.int64), 16, rules, ctx) is NotImplemented
+    assert native.match(t, t.root, np.arange(32, dtype=np.int32)[::2], 16, rules, ctx) is NotImplemented
+    assert t.match_prefix(np.arange(16, dtype=np.int64)).matched_len == 16
+    strided = np.zeros(32, dtype=np.int32)
+    strided[::2] = np.arange(16)
+    assert t.match_prefix(strided[::2]).matched_len == 16
     before = snapshot(t)
     assert t.match_prefix(np.arange(16, dtype=np.int32)).matched_len == 16
     assert snapshot(t)["nodes"].keys() == before["nodes"].keys()
+
+
+def test_the_native_match_reads_numpy_directly():
+    """The C match reads the slot arrays' fields and makes its result with numpy's own constructor once each has
+    proven itself on this numpy, and fills the result and the counters through their slots; the indices are an
+    ordinary, owned, writeable int64 array either way."""
+    t = HybridTree(4, window=8, mamba_chunk=4)
+    t.insert(np.arange(8, dtype=np.int32), np.arange(100, 108), mamba_value=1)
+    t.insert(np.arange(16, dtype=np.int32), np.arange(100, 116), mamba_value=2)
+    for _ in range(2):
+        m = t.match_prefix(np.arange(16, dtype=np.int32))
+    assert m.indices.tolist() == list(range(100, 116))
+    assert m.indices.dtype == np.int64 and m.indices.flags.owndata and m.indices.flags.writeable
+    assert hybrid._hwalk.fast_paths() == dict(numpy_fields=True, numpy_new=True, result_slots=True, counter_slots=True)
+    assert t.counters.queried_tokens == 32 and t.counters.hit_tokens == 32

@@ -1,22 +1,25 @@
-/* HybridTree.match_prefix (server/tree/hybrid.py) between packing the key and building the result, in C: the same
- * steps in the same order on the same Python objects (HNode slots, the components' LRU dicts), without the
- * interpreter's per-node overhead.
+/* HybridTree.match_prefix (server/tree/hybrid.py) after reading the key, in C: the same steps in the same order on
+ * the same Python objects (HNode slots, the components' LRU lists threaded through them), without the interpreter's
+ * per-node overhead.
  *
- * match(tree, root, kb, page_bytes, rules) -> (indices, best, best_n, hit_tokens)
- *     kb: packed int32 tokens (bytes, or a C-contiguous int32 array: no copy), its whole pages only.
- *     The walk along whole edges of kb (children keyed by their first page); an edge the key ends
+ * match(tree, root, key, page_bytes, rules, ctx) -> HybridMatch, or NotImplemented for a key to pack first
+ *     key: packed int32 tokens (bytes, or a C-contiguous int32 vector: no copy), its whole pages only.
+ *     The walk along whole edges of key (children keyed by their first page); an edge the key ends
  *     inside is split through tree._split; then the deepest node every component accepts as a match end (each
  *     component's rule, in registration order, until none moves it), each component's LRU refresh there, the
- *     tree's clock tick (tree._clock) and the access times of the path (a parent just older than its child).
- *     indices: None (nothing matched), best.full (one node) or a bytearray of the path's int64 FULL slots.
+ *     tree's clock tick (tree._clock), the access times of the path (a parent just older than its child) and
+ *     the tree's query counters. The result: ctx[0](indices, matched, node id, hit tokens, SWA branching, MAMBA
+ *     branching, MAMBA source), indices being ctx[6] (nothing matched), the node's own FULL slots (one node) or
+ *     the path's, end to end (into ctx[1](matched, ctx[2])). ctx[3]: page tokens; ctx[4]: has SWA; ctx[5]: MAMBA
+ *     grid.
  * lock_path(node, delta) -> int
  *     HybridTree.lock's and unlock's FULL walk: every node from node up to (not including) its root takes delta
  *     (1 or -1) on its lock count; returns the tokens of the nodes whose count went 0 -> 1 (or 1 -> 0).
  * swa_acquire(node, window) -> (tokens, boundary), swa_release(node, uuid) -> [nodes]
  *     SwaComponent's window lock walks (components/swa.py): the counting and the slock updates; the component
  *     does the rest (counters, the boundary's mark, leaf updates and drops, in walk order).
- * A rule: ("swa", window, budget, prev, next, head) or ("mamba", prev, next, head); prev/next are the component's
- * Lru dicts (server/tree/components/base.py).
+ * A rule: ("swa", window, budget, head) or ("mamba", head); head is the front sentinel of the component's Lru
+ * (server/tree/components/base.py), a list threaded through the nodes' sprev/snext or mprev/mnext slots.
  * HybridTree._match_path is the Python reference (no C compiler at install, or native=False); a property test
  * runs both on the same operations and holds every result and every node equal.
  */
@@ -25,14 +28,17 @@
 #include <string.h>
 #include <structmember.h>
 
+static PyObject *s_counters, *s_queried, *s_hits;
 static PyObject *s_children, *s_key, *s_parent, *s_atime, *s_swa, *s_n, *s_mamba, *s_full, *s_lock, *s_slock, *s_suuid,
-    *s_clock;
+    *s_id, *s_sprev, *s_snext, *s_mprev, *s_mnext, *s_clock;
 
 /* HNode's __slots__ are read and written at their offsets (what their member descriptors do, without the
  * attribute lookup); any other object, or a slot left unset, goes through the generic attribute protocol. */
-enum { K_CHILDREN, K_KEY, K_PARENT, K_ATIME, K_SWA, K_N, K_MAMBA, K_FULL, K_LOCK, K_SLOCK, K_SUUID, K_SLOTS };
+enum { K_CHILDREN, K_KEY, K_PARENT, K_ATIME, K_SWA, K_N, K_MAMBA, K_FULL, K_LOCK, K_SLOCK, K_SUUID, K_ID, K_SPREV, K_SNEXT, K_MPREV,
+       K_MNEXT, K_SLOTS };
 static PyObject **slot_names[K_SLOTS] = {&s_children, &s_key, &s_parent, &s_atime, &s_swa, &s_n, &s_mamba, &s_full,
-                                         &s_lock, &s_slock, &s_suuid};
+                                         &s_lock, &s_slock, &s_suuid, &s_id, &s_sprev, &s_snext, &s_mprev,
+                                         &s_mnext};
 static PyTypeObject *node_type;
 static Py_ssize_t slot_at[K_SLOTS];
 
@@ -74,57 +80,256 @@ static inline int nset(PyObject *obj, int k, PyObject *v) {
     return PyObject_SetAttr(obj, *slot_names[k], v);
 }
 
-/* The walk of match(): (path, hit_tokens, partial, common_tokens) for the whole pages of kb[:len]. */
-static PyObject *walk(PyObject *root, const char *kb, Py_ssize_t len, Py_ssize_t pb) {
-    len -= len % pb;
-    PyObject *path = PyList_New(0);
-    if (path == NULL)
+/* The __slots__ offsets of one more type (the result, the tree's counters), learned from its first instance as for
+ * HNode; another type goes through the generic protocols. */
+typedef struct {
+    PyTypeObject *tp;
+    int tried;
+    Py_ssize_t off[8];
+} Layout;
+
+static int layout_of(Layout *lay, PyTypeObject *tp, const char *const *names, int n) {  /* 1: offsets known */
+    if (lay->tp == tp)
+        return 1;
+    if (lay->tried || !(tp->tp_flags & Py_TPFLAGS_HEAPTYPE) || tp->tp_dict == NULL)
+        return 0;
+    lay->tried = 1;
+    for (int k = 0; k < n; k++) {
+        PyObject *d = PyDict_GetItemString(tp->tp_dict, names[k]);
+        if (d == NULL || Py_TYPE(d) != &PyMemberDescr_Type ||
+            ((PyMemberDescrObject *)d)->d_member->type != T_OBJECT_EX)
+            return 0;
+        lay->off[k] = ((PyMemberDescrObject *)d)->d_member->offset;
+    }
+    Py_INCREF(tp);
+    lay->tp = tp;
+    return 1;
+}
+
+static inline PyObject **at(PyObject *obj, Py_ssize_t off) { return (PyObject **)((char *)obj + off); }
+
+/* numpy's array struct (PyArrayObject_fields, the same in numpy 1.x and 2.x) up to its flags; read directly once the
+ * first ndarray seen has shown the same data, length and item kind through the buffer protocol. */
+typedef struct {
+    PyObject_HEAD
+    char *data;
+    int nd;
+    Py_ssize_t *dimensions, *strides;
+    PyObject *base;
+    struct { PyObject_HEAD PyTypeObject *typeobj; char kind, type; } *descr;
+    int flags;
+} NpArray;
+static PyTypeObject *np_type;
+static int np_tried;
+#define I64(d) ((d)->kind == 'i' && ((d)->type == 'l' || (d)->type == 'q'))  /* int64 on LP64 */
+
+/* An int64 vector's memory: numpy's own fields where they were proven, else the buffer protocol (view->obj set:
+ * release it). */
+static int int64_view(PyObject *arr, Py_buffer *view, int flags) {
+    view->obj = NULL;
+    if (Py_TYPE(arr) == np_type) {
+        NpArray *a = (NpArray *)arr;
+        if (a->nd == 1 && a->strides[0] == 8 && I64(a->descr) && (a->flags & 0x1) &&
+            (!(flags & PyBUF_WRITABLE) || (a->flags & 0x400))) {  /* C-contiguous; writeable */
+            view->buf = a->data;
+            view->len = a->dimensions[0] * 8;
+            return 0;
+        }
+    }
+    if (PyObject_GetBuffer(arr, view, flags | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return -1;
+    const char *f = view->format ? view->format : "B";
+    f += (*f == '<' || *f == '=' || *f == '@');
+    if (view->itemsize != 8 || (*f != 'q' && *f != 'l') || f[1]) {
+        PyBuffer_Release(view);
+        view->obj = NULL;
+        PyErr_SetString(PyExc_TypeError, "a node's FULL slots are int64");
+        return -1;
+    }
+    if (!np_tried && strcmp(Py_TYPE(arr)->tp_name, "numpy.ndarray") == 0) {
+        np_tried = 1;
+        NpArray *a = (NpArray *)arr;
+        if (a->nd == 1 && a->data == view->buf && a->dimensions[0] * 8 == view->len && a->strides[0] == 8 &&
+            I64(a->descr)) {
+            Py_INCREF(Py_TYPE(arr));
+            np_type = Py_TYPE(arr);
+        }
+    }
+    return 0;
+}
+
+/* numpy's PyArray_New (entry 93 of its C API table; PyArray_Type is entry 2: fixed since numpy 1.0), found through
+ * the capsule numpy exports, used once a one-element int64 vector made with it reads back right; until then, and
+ * without it, ctx's np.empty. */
+typedef PyObject *(*np_new_fn)(PyTypeObject *, int, const Py_ssize_t *, int, const Py_ssize_t *, void *, int, int,
+                               PyObject *);
+static np_new_fn np_new;
+
+static void np_api(void) {
+    static int tried;
+    if (tried || np_type == NULL)
+        return;
+    tried = 1;
+    PyObject *mod = PyImport_ImportModule("numpy._core._multiarray_umath");  /* numpy 2; numpy 1: numpy.core */
+    if (mod == NULL) {
+        PyErr_Clear();
+        mod = PyImport_ImportModule("numpy.core._multiarray_umath");
+    }
+    PyObject *cap = mod ? PyObject_GetAttrString(mod, "_ARRAY_API") : NULL;
+    Py_XDECREF(mod);
+    void **api = cap && PyCapsule_CheckExact(cap) ? PyCapsule_GetPointer(cap, NULL) : NULL;
+    Py_XDECREF(cap);  /* the table lives as long as numpy's module */
+    if (api == NULL || (PyTypeObject *)api[2] != np_type) {
+        PyErr_Clear();
+        return;
+    }
+    np_new_fn f = (np_new_fn)api[93];
+    Py_ssize_t one = 1;
+    PyObject *probe = f(np_type, 1, &one, 7 /* NPY_LONG: int64 on LP64 */, NULL, NULL, 0, 0, NULL);
+    if (probe == NULL) {
+        PyErr_Clear();
+        return;
+    }
+    NpArray *a = (NpArray *)probe;
+    if (sizeof(long) == 8 && Py_TYPE(probe) == np_type && a->nd == 1 && a->dimensions[0] == 1 &&
+        a->strides[0] == 8 && I64(a->descr) && (a->flags & 0x401) == 0x401)
+        np_new = f;
+    Py_DECREF(probe);
+}
+
+/* A new int64 vector of n items: numpy's own constructor where proven, else empty(n, dtype). */
+static PyObject *new_int64(Py_ssize_t n, PyObject *empty, PyObject *dtype) {
+    np_api();
+    if (np_new != NULL)
+        return np_new(np_type, 1, &n, 7, NULL, NULL, 0, 0, NULL);
+    PyObject *size = PyLong_FromSsize_t(n);
+    if (size == NULL)
         return NULL;
-    PyObject *node = root;
-    Py_INCREF(node);
-    PyObject *partial = NULL;
-    Py_ssize_t off = 0, common = 0;
+    PyObject *args[2] = {size, dtype};
+    PyObject *out = PyObject_Vectorcall(empty, args, 2, NULL);
+    Py_DECREF(size);
+    return out;
+}
+
+static void int64_release(Py_buffer *view) {
+    if (view->obj != NULL)
+        PyBuffer_Release(view);
+}
+
+/* The nodes of a match's path (new references) and the tokens on each edge: a C array, no list. */
+typedef struct {
+    PyObject **node;
+    Py_ssize_t *ntok;
+    Py_ssize_t len, cap;
+    PyObject *node0[32];
+    Py_ssize_t ntok0[32];
+} Path;
+
+static void path_init(Path *p) {
+    p->node = p->node0;
+    p->ntok = p->ntok0;
+    p->len = 0;
+    p->cap = 32;
+}
+
+static void path_free(Path *p) {
+    for (Py_ssize_t i = 0; i < p->len; i++)
+        Py_DECREF(p->node[i]);
+    if (p->node != p->node0) {
+        PyMem_Free(p->node);
+        PyMem_Free(p->ntok);
+    }
+}
+
+static int path_push(Path *p, PyObject *node, Py_ssize_t ntok) {  /* steals node */
+    if (p->len == p->cap) {
+        Py_ssize_t cap = p->cap * 2;
+        PyObject **nodes = PyMem_Malloc(sizeof(PyObject *) * (size_t)cap);
+        Py_ssize_t *ntoks = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)cap);
+        if (nodes == NULL || ntoks == NULL) {
+            PyMem_Free(nodes);
+            PyMem_Free(ntoks);
+            Py_DECREF(node);
+            PyErr_NoMemory();
+            return -1;
+        }
+        memcpy(nodes, p->node, sizeof(PyObject *) * (size_t)p->len);
+        memcpy(ntoks, p->ntok, sizeof(Py_ssize_t) * (size_t)p->len);
+        if (p->node != p->node0) {
+            PyMem_Free(p->node);
+            PyMem_Free(p->ntok);
+        }
+        p->node = nodes;
+        p->ntok = ntoks;
+        p->cap = cap;
+    }
+    p->node[p->len] = node;
+    p->ntok[p->len++] = ntok;
+    return 0;
+}
+
+/* The walk of match() over the whole pages of kb[:len]: whole edges onto path; an edge the key ends inside is split
+ * through tree._split and its upper part ends the path. *hit: every matched token. */
+static int walk(PyObject *tree, PyObject *root, const char *kb, Py_ssize_t len, Py_ssize_t pb, Path *path,
+                Py_ssize_t *hit) {
+    len -= len % pb;
+    PyObject *node = root;  /* borrowed: root, then the path's last node */
+    Py_ssize_t off = 0;
+    *hit = 0;
     while (off + pb <= len) {
         PyObject *children = nget(node, K_CHILDREN);
         if (children == NULL)
-            goto fail;
+            return -1;
         if (!PyDict_Check(children)) {
             Py_DECREF(children);
             PyErr_SetString(PyExc_TypeError, "walk: children must be a dict");
-            goto fail;
+            return -1;
         }
-        PyObject *page = PyBytes_FromStringAndSize(kb + off, pb);
-        if (page == NULL) {
-            Py_DECREF(children);
-            goto fail;
+        PyObject *child = NULL;  /* keyed by the child's first page */
+        int scanned = PyDict_GET_SIZE(children) <= 4;
+        if (scanned) {  /* a few children: compare their pages, no hash of ours to compute */
+            Py_ssize_t pos = 0;
+            PyObject *k, *v;
+            while (PyDict_Next(children, &pos, &k, &v)) {
+                if (!PyBytes_CheckExact(k)) {
+                    scanned = 0;
+                    child = NULL;
+                    break;
+                }
+                if (child == NULL && PyBytes_GET_SIZE(k) == pb && memcmp(PyBytes_AS_STRING(k), kb + off, pb) == 0)
+                    child = v;
+            }
         }
-        PyObject *child = PyDict_GetItemWithError(children, page);
-        Py_DECREF(page);
+        if (!scanned) {
+            PyObject *page = PyBytes_FromStringAndSize(kb + off, pb);
+            if (page == NULL) {
+                Py_DECREF(children);
+                return -1;
+            }
+            child = PyDict_GetItemWithError(children, page);
+            Py_DECREF(page);
+        }
         Py_XINCREF(child);
         Py_DECREF(children);
-        if (child == NULL) {
-            if (PyErr_Occurred())
-                goto fail;
-            break;
-        }
+        if (child == NULL)
+            return PyErr_Occurred() ? -1 : 0;
         PyObject *ck = nget(child, K_KEY);
         if (ck == NULL || !PyBytes_Check(ck)) {
             Py_XDECREF(ck);
             Py_DECREF(child);
             if (!PyErr_Occurred())
                 PyErr_SetString(PyExc_TypeError, "walk: a node's key must be bytes");
-            goto fail;
+            return -1;
         }
         Py_ssize_t cl = PyBytes_GET_SIZE(ck);
         const char *a = PyBytes_AS_STRING(ck), *b = kb + off;
-        if (cl <= len - off && memcmp(a, b, (size_t)cl) == 0) {
+        /* the first page is equal already (the dict's key) */
+        if (cl <= len - off && cl >= pb && memcmp(a + pb, b + pb, (size_t)(cl - pb)) == 0) {
             Py_DECREF(ck);
-            if (PyList_Append(path, child) < 0) {
-                Py_DECREF(child);
-                goto fail;
-            }
+            if (path_push(path, child, cl / 4) < 0)
+                return -1;
             off += cl;
-            Py_DECREF(node);
+            *hit += cl / 4;
             node = child;
             continue;
         }
@@ -132,20 +337,18 @@ static PyObject *walk(PyObject *root, const char *kb, Py_ssize_t len, Py_ssize_t
         while (i < ntok && memcmp(a + 4 * i, b + 4 * i, 4) == 0)
             i++;
         Py_DECREF(ck);
-        common = i - i % (pb / 4);
-        partial = child;
-        break;
+        Py_ssize_t common = i - i % (pb / 4);
+        *hit += common;
+        PyObject *end = child;
+        if (common * 4 < cl) {
+            end = PyObject_CallMethod(tree, "_split", "On", child, common);
+            Py_DECREF(child);
+            if (end == NULL)
+                return -1;
+        }
+        return path_push(path, end, common);
     }
-    Py_DECREF(node);
-    if (partial == NULL) {
-        partial = Py_None;
-        Py_INCREF(partial);
-    }
-    return Py_BuildValue("(NnNn)", path, off / 4, partial, common);
-fail:
-    Py_DECREF(node);
-    Py_DECREF(path);
-    return NULL;
+    return 0;
 }
 
 static int attr_ssize(PyObject *obj, int k, Py_ssize_t *out) {
@@ -166,12 +369,11 @@ static int attr_true(PyObject *obj, int k) {
     return r;
 }
 
-static Py_ssize_t swa_deepest_impl(PyObject *path, Py_ssize_t limit, Py_ssize_t window) {
+static Py_ssize_t swa_deepest_impl(const Path *path, Py_ssize_t limit, Py_ssize_t window) {
     int unbounded = 1;  /* no gap since the root: any node may end a match */
     Py_ssize_t covered = 0, best = 0;
     for (Py_ssize_t i = 0; i < limit; i++) {
-        PyObject *node = PyList_GET_ITEM(path, i);
-        int has = attr_true(node, K_SWA);
+        int has = attr_true(path->node[i], K_SWA);
         if (has < 0)
             return -1;
         if (!has) {
@@ -179,20 +381,17 @@ static Py_ssize_t swa_deepest_impl(PyObject *path, Py_ssize_t limit, Py_ssize_t 
             covered = 0;
             continue;
         }
-        Py_ssize_t n;
-        if (attr_ssize(node, K_N, &n) < 0)
-            return -1;
-        covered += n;
+        covered += path->ntok[i];
         if (unbounded || covered >= window)
             best = i + 1;
     }
     return best;
 }
 
-static Py_ssize_t mamba_deepest_impl(PyObject *path, Py_ssize_t limit) {
+static Py_ssize_t mamba_deepest_impl(const Path *path, Py_ssize_t limit) {
     for (Py_ssize_t i = limit - 1; i >= 0; i--) {
         Py_ssize_t slot;
-        if (attr_ssize(PyList_GET_ITEM(path, i), K_MAMBA, &slot) < 0)
+        if (attr_ssize(path->node[i], K_MAMBA, &slot) < 0)
             return -1;
         if (slot >= 0)
             return i + 1;
@@ -221,53 +420,31 @@ static int touch_impl(PyObject *node, double t, double step) {
     return 0;
 }
 
-/* prev/next: dicts of the doubly linked list; every lookup must hit (a miss is a broken list: KeyError). */
-static PyObject *get(PyObject *d, PyObject *k) {
-    PyObject *v = PyDict_GetItemWithError(d, k);
-    if (v == NULL) {
-        if (!PyErr_Occurred())
-            PyErr_SetObject(PyExc_KeyError, k);
-        return NULL;
+/* Lru.reset_path's move (components/base.py): unlink node, then link it right after `after`; kp/kn are the slots
+ * that thread the list (a node outside it has None there: KeyError). */
+static int move_after(PyObject *after, PyObject *node, int kp, int kn) {
+    PyObject *p = nget(node, kp), *n = nget(node, kn), *m = NULL;
+    int r = -1;
+    if (p == NULL || n == NULL)
+        goto done;
+    if (p == Py_None || n == Py_None) {
+        PyErr_SetObject(PyExc_KeyError, node);
+        goto done;
     }
-    Py_INCREF(v);
-    return v;
-}
-
-static PyObject *pop(PyObject *d, PyObject *k) {
-    PyObject *v = get(d, k);
-    if (v != NULL && PyDict_DelItem(d, k) < 0) {
-        Py_DECREF(v);
-        return NULL;
-    }
-    return v;
-}
-
-static int move_after(PyObject *prev, PyObject *next, PyObject *after, PyObject *node) {
-    /* remove(node) then _link_after(after, node), as Lru does them */
-    PyObject *p = pop(prev, node);
-    if (p == NULL)
-        return -1;
-    PyObject *n = pop(next, node);
-    if (n == NULL) {
-        Py_DECREF(p);
-        return -1;
-    }
-    int r = PyDict_SetItem(next, p, n) < 0 || PyDict_SetItem(prev, n, p) < 0 ? -1 : 0;
-    Py_DECREF(p);
-    Py_DECREF(n);
-    if (r < 0)
-        return -1;
-    n = get(next, after);
-    if (n == NULL)
-        return -1;
-    r = (PyDict_SetItem(prev, node, after) < 0 || PyDict_SetItem(next, node, n) < 0 ||
-         PyDict_SetItem(next, after, node) < 0 || PyDict_SetItem(prev, n, node) < 0) ? -1 : 0;
-    Py_DECREF(n);
+    if (nset(p, kn, n) < 0 || nset(n, kp, p) < 0 || (m = nget(after, kn)) == NULL)
+        goto done;
+    r = (nset(node, kp, after) < 0 || nset(node, kn, m) < 0 || nset(after, kn, node) < 0 || nset(m, kp, node) < 0)
+            ? -1 : 0;
+done:
+    Py_XDECREF(p);
+    Py_XDECREF(n);
+    Py_XDECREF(m);
     return r;
 }
 
-static int lru_path_impl(PyObject *prev, PyObject *next, PyObject *after, PyObject *node, double budget, int attr) {
-    Py_INCREF(after);
+/* Lru.reset_path_mru: node and its ancestors within budget tokens to the front, node first. */
+static int lru_path_impl(PyObject *head, PyObject *node, double budget, int attr, int kp, int kn) {
+    PyObject *after = head;  /* borrowed: head, or a node of node's path (the tree holds both) */
     Py_INCREF(node);
     double used = 0;
     for (;;) {
@@ -279,157 +456,195 @@ static int lru_path_impl(PyObject *prev, PyObject *next, PyObject *after, PyObje
             break;
         }
         int has = attr_true(node, attr);
-        if (has < 0) {
-            Py_DECREF(parent);
-            goto fail;
-        }
-        if (has) {
-            PyObject *p = PyDict_GetItemWithError(prev, node);
-            if (p == NULL) {
-                if (!PyErr_Occurred())
-                    PyErr_SetObject(PyExc_KeyError, node);
-                Py_DECREF(parent);
-                goto fail;
-            }
-            if (p != after && move_after(prev, next, after, node) < 0) {
-                Py_DECREF(parent);
-                goto fail;
-            }
-            Py_DECREF(after);
-            after = node;
-            Py_INCREF(after);
-        }
         Py_ssize_t n;
-        if (attr_ssize(node, K_N, &n) < 0) {
+        PyObject *p = has > 0 ? nget(node, kp) : NULL;
+        if (has < 0 || (has && p == NULL) || (has && p != after && move_after(after, node, kp, kn) < 0) ||
+            attr_ssize(node, K_N, &n) < 0) {
+            Py_XDECREF(p);
             Py_DECREF(parent);
             goto fail;
         }
+        Py_XDECREF(p);
+        if (has)
+            after = node;
         used += (double)n;
         Py_DECREF(node);
         node = parent;
     }
-    Py_DECREF(after);
     Py_DECREF(node);
     return 0;
 fail:
-    Py_DECREF(after);
     Py_DECREF(node);
     return -1;
 }
 
-static PyObject *concat_impl(PyObject *path, Py_ssize_t limit) {
-    Py_buffer views[64], *v = views;
-    if (limit > 64 && (v = PyMem_Malloc(sizeof(Py_buffer) * (size_t)limit)) == NULL)
-        return PyErr_NoMemory();
-    Py_ssize_t got = 0, total = 0;
-    PyObject *out = NULL;
-    for (; got < limit; got++) {
-        PyObject *full = nget(PyList_GET_ITEM(path, got), K_FULL);
-        if (full == NULL)
-            goto done;
-        int r = PyObject_GetBuffer(full, &v[got], PyBUF_C_CONTIGUOUS);  /* itemsize is set without the format */
+/* The path's FULL slots (int64 arrays) end to end, into out (total bytes). */
+static int concat_impl(const Path *path, Py_ssize_t limit, char *out, Py_ssize_t total) {
+    char *dst = out, *end = out + total;
+    for (Py_ssize_t i = 0; i < limit; i++) {
+        PyObject *full = nget(path->node[i], K_FULL);
+        Py_buffer v;
+        if (full == NULL || int64_view(full, &v, PyBUF_SIMPLE) < 0) {
+            Py_XDECREF(full);
+            return -1;
+        }
         Py_DECREF(full);
-        if (r < 0)
-            goto done;
-        if (v[got].itemsize != 8) {
-            PyErr_SetString(PyExc_TypeError, "concat: slot arrays must be int64");
-            PyBuffer_Release(&v[got]);
-            goto done;
-        }
-        total += v[got].len;
+        int fits = v.len <= end - dst;
+        if (fits)
+            memcpy(dst, v.buf, (size_t)v.len);
+        dst += v.len;
+        int64_release(&v);
+        if (!fits)
+            break;
     }
-    out = PyByteArray_FromStringAndSize(NULL, total);
-    if (out != NULL) {
-        char *dst = PyByteArray_AS_STRING(out);
-        for (Py_ssize_t i = 0; i < limit; i++) {
-            memcpy(dst, v[i].buf, (size_t)v[i].len);
-            dst += v[i].len;
-        }
+    if (dst != end) {
+        PyErr_SetString(PyExc_ValueError, "concat: a node's FULL slots are one per token");
+        return -1;
     }
-done:
-    for (Py_ssize_t i = 0; i < got; i++)
-        PyBuffer_Release(&v[i]);
-    if (v != views)
-        PyMem_Free(v);
+    return 0;
+}
+
+static Layout counters_layout, result_layout;
+static const char *const counter_names[] = {"queried_tokens", "hit_tokens"};
+static const char *const result_names[] = {"indices", "matched_len", "node_id", "full_hit_len", "swa_branching_seqlen",
+                                           "mamba_branching_seqlen", "mamba_src"};
+
+/* counters.<k-th of counter_names> += delta */
+static int counter_add(PyObject *counters, int k, Py_ssize_t delta) {
+    int fast = layout_of(&counters_layout, Py_TYPE(counters), counter_names, 2);
+    PyObject *name = k ? s_hits : s_queried, *v = fast ? *at(counters, counters_layout.off[k]) : NULL, *w = NULL;
+    if (v != NULL)
+        Py_INCREF(v);
+    else if ((v = PyObject_GetAttr(counters, name)) == NULL)
+        return -1;
+    Py_ssize_t was = PyLong_Check(v) ? PyLong_AsSsize_t(v) : -1;
+    if (was >= 0 && was <= PY_SSIZE_T_MAX - delta) {
+        w = PyLong_FromSsize_t(was + delta);
+    } else {  /* not a small int: Python's own + */
+        PyErr_Clear();
+        PyObject *d = PyLong_FromSsize_t(delta);
+        if (d != NULL)
+            w = PyNumber_Add(v, d);
+        Py_XDECREF(d);
+    }
+    Py_DECREF(v);
+    if (w == NULL)
+        return -1;
+    if (fast) {
+        PyObject **slot = at(counters, counters_layout.off[k]), *old = *slot;
+        *slot = w;
+        Py_XDECREF(old);
+        return 0;
+    }
+    int r = PyObject_SetAttr(counters, name, w);
+    Py_DECREF(w);
+    return r;
+}
+
+/* cls(*res) (res: n new references, all stolen); a slots class of result_names is filled in place. */
+static PyObject *make_result(PyObject *cls, PyObject **res, int n) {
+    PyObject *out = NULL;
+    int ok = 1;
+    for (int i = 0; i < n; i++)
+        ok &= res[i] != NULL;
+    if (ok && PyType_Check(cls) && layout_of(&result_layout, (PyTypeObject *)cls, result_names, n)) {
+        PyTypeObject *tp = (PyTypeObject *)cls;
+        if ((out = tp->tp_alloc(tp, 0)) != NULL) {
+            for (int i = 0; i < n; i++) {
+                *at(out, result_layout.off[i]) = res[i];
+                res[i] = NULL;
+            }
+        }
+    } else if (ok) {
+        out = PyObject_Vectorcall(cls, res, (size_t)n, NULL);
+    }
+    for (int i = 0; i < n; i++)
+        Py_XDECREF(res[i]);
     return out;
 }
 
-/* One rule per auxiliary component, in registration order: ("swa", window, budget, prev, next, head) or
- * ("mamba", prev, next, head) (the component's match end, then its LRU refresh at the match end). */
+/* tokens - tokens % grid when it lies beyond matched, else None (where the next checkpoint goes) */
+static PyObject *branching(Py_ssize_t tokens, Py_ssize_t grid, Py_ssize_t matched) {
+    Py_ssize_t aligned = tokens - tokens % grid;
+    if (aligned > matched)
+        return PyLong_FromSsize_t(aligned);
+    Py_RETURN_NONE;
+}
+
+static const char match_sig[] =
+    "match(tree, root, key, page_bytes, rules: tuple, ctx: (result_type, empty, int64, page, swa: bool, "
+    "mamba_grid, no_slots))";
+
+/* One rule per auxiliary component, in registration order: ("swa", window, budget, head) or ("mamba", head) (the
+ * component's match end, then its LRU refresh at the match end; head: its LRU list's front sentinel). */
 static PyObject *match(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 5 || !PyTuple_Check(args[4])) {
-        PyErr_SetString(PyExc_TypeError, "match(tree, root, kb, page_bytes, rules: tuple)");
+    if (nargs != 6 || !PyTuple_Check(args[4]) || !PyTuple_Check(args[5]) || PyTuple_GET_SIZE(args[5]) != 7) {
+        PyErr_SetString(PyExc_TypeError, match_sig);
         return NULL;
     }
-    PyObject *tree = args[0], *root = args[1], *rules = args[4];
+    PyObject *tree = args[0], *root = args[1], *rules = args[4], *ctx = args[5];
     learn_slots(Py_TYPE(root));
     Py_ssize_t nrules = PyTuple_GET_SIZE(rules);
     for (Py_ssize_t r = 0; r < nrules; r++) {
         PyObject *rule = PyTuple_GET_ITEM(rules, r);
-        Py_ssize_t size = PyTuple_Check(rule) ? PyTuple_GET_SIZE(rule) : 0;  /* 6: SWA, 4: MAMBA */
-        if ((size != 6 && size != 4) || !PyDict_Check(PyTuple_GET_ITEM(rule, size - 3)) ||
-            !PyDict_Check(PyTuple_GET_ITEM(rule, size - 2))) {
-            PyErr_SetString(PyExc_TypeError, "match: a rule is ('swa', window, budget, prev, next, head) or "
-                                             "('mamba', prev, next, head)");
+        Py_ssize_t size = PyTuple_Check(rule) ? PyTuple_GET_SIZE(rule) : 0;  /* 4: SWA, 2: MAMBA */
+        PyObject *kind = size ? PyTuple_GET_ITEM(rule, 0) : NULL;
+        if ((size != 4 && size != 2) || !PyUnicode_Check(kind) ||
+            PyUnicode_CompareWithASCIIString(kind, size == 4 ? "swa" : "mamba") != 0) {
+            PyErr_SetString(PyExc_TypeError, "match: a rule is ('swa', window, budget, head) or ('mamba', head)");
             return NULL;
         }
     }
-    Py_ssize_t pb = PyLong_AsSsize_t(args[3]);
-    if (pb == -1 && PyErr_Occurred())
+    Py_ssize_t pb = PyLong_AsSsize_t(args[3]), page = PyLong_AsSsize_t(PyTuple_GET_ITEM(ctx, 3)),
+               grid = PyLong_AsSsize_t(PyTuple_GET_ITEM(ctx, 5));
+    int swa_on = PyObject_IsTrue(PyTuple_GET_ITEM(ctx, 4));
+    if (PyErr_Occurred())
         return NULL;
-    if (pb <= 0 || pb % 4) {
-        PyErr_Format(PyExc_ValueError, "match: page of %zd bytes", pb);
-        return NULL;
-    }
-    Py_buffer key;  /* packed little-endian int32 tokens: bytes, or a C-contiguous int32 array */
-    if (PyObject_GetBuffer(args[2], &key, PyBUF_C_CONTIGUOUS) < 0)
-        return NULL;
-    if (key.itemsize != 4 && key.itemsize != 1) {
-        PyBuffer_Release(&key);
-        PyErr_SetString(PyExc_TypeError, "match: the key is packed int32 tokens");
+    if (pb <= 0 || pb % 4 || page <= 0 || grid < 0 || swa_on < 0) {
+        PyErr_Format(PyExc_ValueError, "match: page of %zd bytes, %zd tokens, MAMBA grid %zd", pb, page, grid);
         return NULL;
     }
-    PyObject *w = walk(root, key.buf, key.len, pb);
-    PyBuffer_Release(&key);
-    if (w == NULL)
-        return NULL;
-    PyObject *path = PyTuple_GET_ITEM(w, 0), *partial = PyTuple_GET_ITEM(w, 2), *out = NULL, *indices = NULL;
-    Py_INCREF(path);
-    Py_ssize_t hit = PyLong_AsSsize_t(PyTuple_GET_ITEM(w, 1)), common = PyLong_AsSsize_t(PyTuple_GET_ITEM(w, 3));
-    if (partial != Py_None) {
-        hit += common;
-        PyObject *ck = nget(partial, K_KEY);
-        if (ck == NULL)
-            goto done;
-        Py_ssize_t cl = PyBytes_Check(ck) ? PyBytes_GET_SIZE(ck) : -1;
-        Py_DECREF(ck);
-        PyObject *end = partial;
-        Py_INCREF(end);
-        if (common * 4 < cl) {
-            Py_DECREF(end);
-            end = PyObject_CallMethod(tree, "_split", "On", partial, common);
-            if (end == NULL)
-                goto done;
+    Py_buffer key;  /* packed little-endian int32 tokens: bytes, or a C-contiguous int32 vector */
+    NpArray *ka = (NpArray *)args[2];
+    if (Py_TYPE(ka) == np_type && ka->nd == 1 && ka->strides[0] == 4 && ka->descr->kind == 'i' &&
+        ka->descr->type == 'i' && (ka->flags & 0x1)) {  /* numpy's fields, as proven by int64_view */
+        key.obj = NULL;
+        key.buf = ka->data;
+        key.len = ka->dimensions[0] * 4;
+    } else {
+        if (PyObject_GetBuffer(args[2], &key, PyBUF_RECORDS_RO) < 0)
+            return NULL;
+        const char *f = key.format ? key.format : "B";
+        f += (*f == '<' || *f == '=' || *f == '@');
+        if (!((key.itemsize == 1 && (*f == 'B' || *f == 'b' || *f == 'c')) || (key.itemsize == 4 && *f == 'i')) ||
+            f[1] || key.ndim > 1 || !PyBuffer_IsContiguous(&key, 'C')) {
+            PyBuffer_Release(&key);
+            Py_RETURN_NOTIMPLEMENTED;  /* the caller packs it */
         }
-        int r = PyList_Append(path, end);
-        Py_DECREF(end);
-        if (r < 0)
-            goto done;
     }
-    Py_ssize_t best_n = PyList_GET_SIZE(path);
+    Path path;
+    path_init(&path);
+    Py_ssize_t hit, queried = (key.len - key.len % pb) / 4;
+    /* the caller holds the key; a split runs no code that could resize it */
+    int walked = walk(tree, root, key.buf, key.len, pb, &path, &hit);
+    int64_release(&key);
+    PyObject *out = NULL, *indices = NULL, *counters = NULL, *clock = NULL;
+    if (walked < 0)
+        goto done;
+    Py_ssize_t best_n = path.len;
     int settled = 0;
     while (!settled && best_n) {  /* the deepest node every component accepts as a match end */
         settled = 1;
         for (Py_ssize_t r = 0; r < nrules; r++) {
             PyObject *rule = PyTuple_GET_ITEM(rules, r);
             Py_ssize_t n;
-            if (PyTuple_GET_SIZE(rule) == 6) {
+            if (PyTuple_GET_SIZE(rule) == 4) {
                 Py_ssize_t window = PyLong_AsSsize_t(PyTuple_GET_ITEM(rule, 1));
                 if (window == -1 && PyErr_Occurred())
                     goto done;
-                n = swa_deepest_impl(path, best_n, window);
+                n = swa_deepest_impl(&path, best_n, window);
             } else {
-                n = mamba_deepest_impl(path, best_n);
+                n = mamba_deepest_impl(&path, best_n);
             }
             if (n < 0)
                 goto done;
@@ -439,62 +654,75 @@ static PyObject *match(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssiz
             }
         }
     }
-    PyObject *best = best_n ? PyList_GET_ITEM(path, best_n - 1) : root;
+    PyObject *best = best_n ? path.node[best_n - 1] : root;
     for (Py_ssize_t r = 0; r < nrules; r++) {
         PyObject *rule = PyTuple_GET_ITEM(rules, r);
-        if (PyTuple_GET_SIZE(rule) == 6) {
+        if (PyTuple_GET_SIZE(rule) == 4) {
             double budget = PyFloat_AsDouble(PyTuple_GET_ITEM(rule, 2));
             if ((budget == -1.0 && PyErr_Occurred()) ||
-                lru_path_impl(PyTuple_GET_ITEM(rule, 3), PyTuple_GET_ITEM(rule, 4), PyTuple_GET_ITEM(rule, 5), best,
-                              budget, K_SWA) < 0)
+                lru_path_impl(PyTuple_GET_ITEM(rule, 3), best, budget, K_SWA, K_SPREV, K_SNEXT) < 0)
                 goto done;
         } else {
             Py_ssize_t slot;
-            if (attr_ssize(best, K_MAMBA, &slot) < 0)
-                goto done;
-            if (slot >= 0 && move_after(PyTuple_GET_ITEM(rule, 1), PyTuple_GET_ITEM(rule, 2),
-                                        PyTuple_GET_ITEM(rule, 3), best) < 0)
+            if (attr_ssize(best, K_MAMBA, &slot) < 0 ||
+                (slot >= 0 && move_after(PyTuple_GET_ITEM(rule, 1), best, K_MPREV, K_MNEXT) < 0))
                 goto done;
         }
     }
-    PyObject *clock = PyObject_GetAttr(tree, s_clock);  /* the tree's _clock_tick() */
+    clock = PyObject_GetAttr(tree, s_clock);  /* the tree's _clock_tick() */
     if (clock == NULL)
         goto done;
     double t = PyFloat_AsDouble(clock);
-    Py_DECREF(clock);
-    if (t == -1.0 && PyErr_Occurred())
+    Py_CLEAR(clock);
+    if ((t == -1.0 && PyErr_Occurred()) || (clock = PyFloat_FromDouble(t + 1.0)) == NULL ||
+        PyObject_SetAttr(tree, s_clock, clock) < 0 || touch_impl(best, t, 1e-5) < 0)
         goto done;
-    clock = PyFloat_FromDouble(t + 1.0);
-    if (clock == NULL || PyObject_SetAttr(tree, s_clock, clock) < 0) {
-        Py_XDECREF(clock);
-        goto done;
-    }
-    Py_DECREF(clock);
-    if (touch_impl(best, t, 1e-5) < 0)
-        goto done;
+    Py_ssize_t matched = 0;
+    for (Py_ssize_t i = 0; i < best_n; i++)
+        matched += path.ntok[i];
     if (best_n == 0) {
-        indices = Py_None;
+        indices = PyTuple_GET_ITEM(ctx, 6);
         Py_INCREF(indices);
     } else if (best_n == 1) {
         indices = nget(best, K_FULL);
+    } else {  /* a new int64 vector, filled in place */
+        indices = new_int64(matched, PyTuple_GET_ITEM(ctx, 1), PyTuple_GET_ITEM(ctx, 2));
+        Py_buffer v;
+        if (indices == NULL || int64_view(indices, &v, PyBUF_WRITABLE) < 0)
+            goto done;
+        int r = v.len == matched * 8 ? concat_impl(&path, best_n, v.buf, v.len) : -1;
+        if (r < 0 && !PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "match: the result array has the wrong size");
+        int64_release(&v);
+        if (r < 0)
+            goto done;
+    }
+    if (indices == NULL || (counters = PyObject_GetAttr(tree, s_counters)) == NULL ||
+        counter_add(counters, 0, queried) < 0 || counter_add(counters, 1, matched) < 0)
+        goto done;
+    PyObject *res[7] = {indices, PyLong_FromSsize_t(matched), nget(best, K_ID), PyLong_FromSsize_t(hit), NULL,
+                        NULL, NULL};
+    if (swa_on) {
+        res[4] = branching(hit, page, matched);
     } else {
-        indices = concat_impl(path, best_n);
+        res[4] = Py_None;
+        Py_INCREF(Py_None);
     }
-    if (indices != NULL && (out = PyTuple_New(4)) != NULL) {
-        PyObject *n = PyLong_FromSsize_t(best_n), *h = PyLong_FromSsize_t(hit);
-        Py_INCREF(best);
-        PyTuple_SET_ITEM(out, 0, indices);
-        PyTuple_SET_ITEM(out, 1, best);
-        PyTuple_SET_ITEM(out, 2, n);
-        PyTuple_SET_ITEM(out, 3, h);
-        indices = NULL;
-        if (n == NULL || h == NULL)
-            Py_CLEAR(out);
+    if (grid) {
+        res[5] = branching(hit, grid, matched);
+        res[6] = nget(best, K_MAMBA);
+    } else {
+        res[5] = Py_None;
+        Py_INCREF(Py_None);
+        res[6] = PyLong_FromLong(-1);
     }
-    Py_XDECREF(indices);
+    indices = NULL;  /* res[0] */
+    out = make_result(PyTuple_GET_ITEM(ctx, 0), res, 7);
 done:
-    Py_DECREF(path);
-    Py_DECREF(w);
+    Py_XDECREF(indices);
+    Py_XDECREF(counters);
+    Py_XDECREF(clock);
+    path_free(&path);
     return out;
 }
 
@@ -646,7 +874,14 @@ fail:
     return NULL;
 }
 
+static PyObject *fast_paths(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(args)) {
+    return Py_BuildValue("{sOsOsOsO}", "numpy_fields", np_type ? Py_True : Py_False, "numpy_new",
+                         np_new ? Py_True : Py_False, "result_slots", result_layout.tp ? Py_True : Py_False,
+                         "counter_slots", counters_layout.tp ? Py_True : Py_False);
+}
+
 static PyMethodDef methods[] = {
+    {"fast_paths", fast_paths, METH_NOARGS, "Which fast paths this process proved: numpy's fields and constructor, the result's and counters' slots."},
     {"match", (PyCFunction)(void (*)(void))match, METH_FASTCALL, "HybridTree.match_prefix's walk and refresh."},
     {"lock_path", (PyCFunction)(void (*)(void))lock_path, METH_FASTCALL,
      "A FULL lock on node's path (delta 1) or its release (-1): the tokens whose lock went 0 -> 1 or 1 -> 0."},
@@ -662,10 +897,11 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_hwalk", "The hybrid
 
 PyMODINIT_FUNC PyInit__hwalk(void) {
     const char *names[] = {"children", "key", "parent", "atime", "swa", "n", "mamba", "full", "lock", "slock", "suuid",
-                           "_clock"};
+                           "id", "sprev", "snext", "mprev", "mnext", "_clock", "counters", "queried_tokens", "hit_tokens"};
     PyObject **slots[] = {&s_children, &s_key, &s_parent, &s_atime, &s_swa, &s_n, &s_mamba, &s_full, &s_lock,
-                          &s_slock, &s_suuid, &s_clock};  /* interned */
-    for (int i = 0; i < 12; i++) {
+                          &s_slock, &s_suuid, &s_id, &s_sprev, &s_snext, &s_mprev, &s_mnext, &s_clock, &s_counters,
+                          &s_queried, &s_hits};  /* interned */
+    for (int i = 0; i < (int)(sizeof(slots) / sizeof(slots[0])); i++) {
         *slots[i] = PyUnicode_InternFromString(names[i]);
         if (*slots[i] == NULL)
             return NULL;

@@ -71,7 +71,7 @@ class HNode:
     """One edge of the hybrid tree: packed int32 key, FULL slots, SWA presence, MAMBA state slot, locks."""
 
     __slots__ = ("id", "parent", "children", "key", "full", "swa", "mamba", "lock", "slock", "mlock", "suuid",
-                 "atime", "created", "dig", "n", "ns")
+                 "atime", "created", "dig", "n", "ns", "sprev", "snext", "mprev", "mnext")
 
     def __init__(self, node_id: int, parent: Optional["HNode"], key: bytes, full: np.ndarray, tick: float,
                  ns: Namespace = DEFAULT_NS):
@@ -89,6 +89,7 @@ class HNode:
         self.atime = tick
         self.created = tick + 1
         self.dig: Optional[bytes] = None  # page digests (events on), 32 bytes per page
+        self.sprev = self.snext = self.mprev = self.mnext = None  # links of the SWA and MAMBA LRU lists
 
     def __repr__(self) -> str:
         return (f"HNode(id={self.id}, tokens={len(self.key) >> 2}, swa={self.swa}, mamba={self.mamba}, "
@@ -217,9 +218,18 @@ class HybridTree:
         self._ev: Optional[list] = [] if events else None
         rules = tuple(c.native_rule() for c in self.aux)
         # the C match (server/tree/_hwalk.c) and each component's rule for it; None: the Python path
-        self._rules = (_hwalk, rules) if native and _hwalk is not None and None not in rules else None
+        self._rules = None
+        if native and _hwalk is not None and None not in rules:  # what the C match needs to build a HybridMatch
+            ctx = (HybridMatch, np.empty, np.dtype(np.int64), page_size, self.swa is not None,
+                   self.mamba.grid if self.mamba is not None else 0, _EMPTY64)
+            self._rules = (_hwalk, rules, ctx)
 
     # ------------------------------------------------------------- helpers
+    @staticmethod
+    def _sentinel() -> HNode:
+        """An end of a component's LRU list: an HNode outside the tree (id -1), never locked."""
+        return HNode(-1, None, b"", _EMPTY64, 0.0)
+
     def _clock_tick(self) -> float:
         t = self._clock
         self._clock += 1.0
@@ -365,6 +375,13 @@ class HybridTree:
     def match_prefix(self, tokens: TokenInput, namespace: Namespace = DEFAULT_NS) -> HybridMatch:
         """Longest prefix every component can serve in this namespace; splits the edge it ends inside (as SGLang
         does)."""
+        rules = self._rules
+        if rules is not None and type(tokens) is np.ndarray and len(tokens) >= self.page_size:
+            root = self._roots.get(namespace)  # the C match reads an int32 vector in place, builds the result
+            if root is not None:
+                out = rules[0].match(self, root, tokens, self._pb, rules[1], rules[2])
+                if out is not NotImplemented:
+                    return out
         arr = self._tokens(tokens)
         n = len(arr) - len(arr) % self.page_size
         root = self._roots.get(namespace)
@@ -373,14 +390,9 @@ class HybridTree:
             return HybridMatch(_EMPTY64, 0, self.root.id, 0)
         if not n:
             return HybridMatch(_EMPTY64, 0, root.id, 0)
-        if self._rules is not None:  # the C match reads the whole pages of arr in place
-            indices, best, best_n, full_hit = self._rules[0].match(self, root, arr, self._pb, self._rules[1])
-            if indices is None:
-                indices = _EMPTY64
-            elif type(indices) is bytearray:
-                indices = np.frombuffer(indices, np.int64)
-        else:
-            indices, best, best_n, full_hit = self._match_path(root, (arr[:n] if n < len(arr) else arr).tobytes())
+        if rules is not None:
+            return rules[0].match(self, root, arr, self._pb, rules[1], rules[2])
+        indices, best, best_n, full_hit = self._match_path(root, (arr[:n] if n < len(arr) else arr).tobytes())
         matched = len(indices)
         self.counters.queried_tokens += n
         self.counters.hit_tokens += matched

@@ -107,7 +107,7 @@ class LoadBackPlan:
         return int(self.host_slots.size)
 
 
-@dataclass
+@dataclass(slots=True)
 class TreeCounters:
     """Monotonic counters for observability."""
 

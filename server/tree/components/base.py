@@ -11,50 +11,59 @@ if TYPE_CHECKING:
 FULL, SWA, MAMBA = "full", "swa", "mamba"
 
 
-class _End:
-    """An LRU sentinel: never locked, never a tree node."""
-
-    __slots__ = ()
-    slock = mlock = 0
-
-
 class Lru:
-    """Doubly linked recency list (head = most recent), with the insert-after and skip-locked walks the seeds'
-    eviction order depends on (a heap cannot place a split fragment beside its sibling)."""
+    """Doubly linked recency list (head = most recent), threaded through two slots of each node (no dict: the C
+    match moves nodes by pointer), with the insert-after and skip-locked walks the seeds' eviction order depends
+    on (a heap cannot place a split fragment beside its sibling). head and tail are sentinel nodes from `end`."""
 
-    __slots__ = ("prev", "next", "head", "tail", "lock")
+    __slots__ = ("head", "tail", "lock", "p", "n", "size")
 
-    def __init__(self, lock_attr: str):
-        self.head, self.tail = _End(), _End()
-        self.prev: dict = {self.tail: self.head}
-        self.next: dict = {self.head: self.tail}
+    def __init__(self, lock_attr: str, prev_attr: str, next_attr: str, end: Callable[[], object]):
+        self.head, self.tail = end(), end()
+        self.p, self.n = prev_attr, next_attr
+        setattr(self.head, next_attr, self.tail)
+        setattr(self.tail, prev_attr, self.head)
         self.lock = lock_attr
+        self.size = 0
 
     def __contains__(self, node) -> bool:
-        return node in self.prev and not isinstance(node, _End)
+        return getattr(node, self.p) is not None and node is not self.tail
 
     def __len__(self) -> int:
-        return len(self.prev) - 1
+        return self.size
 
     def _link_after(self, p, node) -> None:
-        n = self.next[p]
-        self.prev[node], self.next[node] = p, n
-        self.next[p] = node
-        self.prev[n] = node
+        P, N = self.p, self.n
+        n = getattr(p, N)
+        setattr(node, P, p)
+        setattr(node, N, n)
+        setattr(p, N, node)
+        setattr(n, P, node)
+
+    def _unlink(self, node) -> None:
+        P, N = self.p, self.n
+        p, n = getattr(node, P), getattr(node, N)
+        if p is None:
+            raise KeyError(f"{node!r} is not in this LRU")
+        setattr(p, N, n)
+        setattr(n, P, p)
+        setattr(node, P, None)
+        setattr(node, N, None)
 
     def remove(self, node) -> None:
-        p, n = self.prev.pop(node), self.next.pop(node)
-        self.next[p] = n
-        self.prev[n] = p
+        self._unlink(node)
+        self.size -= 1
 
     def insert_mru(self, node) -> None:
         self._link_after(self.head, node)
+        self.size += 1
 
     def insert_after(self, p, node) -> None:
         self._link_after(p, node)
+        self.size += 1
 
     def reset_mru(self, node) -> None:
-        self.remove(node)
+        self._unlink(node)
         self._link_after(self.head, node)
 
     def reset_path_mru(self, node, budget: float, has: Callable) -> None:
@@ -62,11 +71,11 @@ class Lru:
         (any namespace's) ends the walk."""
         after = self.head
         used = 0
-        prev = self.prev
+        P = self.p
         while node.parent is not None and used < budget:
             if has(node):
-                if prev[node] is not after:  # already in place (a repeated hit): nothing to move
-                    self.remove(node)
+                if getattr(node, P) is not after:  # already in place (a repeated hit): nothing to move
+                    self._unlink(node)
                     self._link_after(after, node)
                 after = node
             used += node.n
@@ -74,10 +83,10 @@ class Lru:
 
     def prev_unlocked(self, node) -> Optional[object]:
         """The next older node whose lock for this component is 0 (None at the end)."""
-        x = self.prev[node]
-        lock = self.lock
+        P, lock = self.p, self.lock
+        x = getattr(node, P)
         while getattr(x, lock):
-            x = self.prev[x]
+            x = getattr(x, P)
         return None if x is self.head else x
 
     def oldest_unlocked(self):
@@ -85,10 +94,11 @@ class Lru:
 
     def order(self) -> list:
         """Most recent first (for the checker and tests)."""
-        out, x = [], self.next[self.head]
+        N = self.n
+        out, x = [], getattr(self.head, N)
         while x is not self.tail:
             out.append(x)
-            x = self.next[x]
+            x = getattr(x, N)
         return out
 
 
@@ -97,11 +107,12 @@ class Component:
 
     name = ""
     lock_attr = ""
+    link_attrs = ("", "")  # the node slots that thread this component's LRU (prev, next)
     internal_priority = 0  # FULL is 2; an internal eviction cascades to components of lower or equal priority
 
     def __init__(self, tree: "HybridTree"):
         self.tree = tree
-        self.lru = Lru(self.lock_attr)
+        self.lru = Lru(self.lock_attr, *self.link_attrs, tree._sentinel)
 
     def has(self, node: "HNode") -> bool:
         raise NotImplementedError

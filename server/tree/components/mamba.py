@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 class MambaComponent(Component):
     name = MAMBA
     lock_attr = "mlock"
+    link_attrs = ("mprev", "mnext")
     internal_priority = 0
 
     def __init__(self, tree, chunk: int, max_states_per_path: int = -1):
@@ -55,7 +56,7 @@ class MambaComponent(Component):
             self.lru.reset_mru(node)
 
     def native_rule(self) -> tuple:
-        return ("mamba", self.lru.prev, self.lru.next, self.lru.head)
+        return ("mamba", self.lru.head)
 
     def commit(self, node: "HNode", new_leaf: bool, params, result) -> None:
         tree = self.tree

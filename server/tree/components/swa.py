@@ -26,6 +26,7 @@ _uuids = itertools.count(1)
 class SwaComponent(Component):
     name = SWA
     lock_attr = "slock"
+    link_attrs = ("sprev", "snext")
     internal_priority = 1
 
     def __init__(self, tree, window: int):
@@ -67,8 +68,7 @@ class SwaComponent(Component):
     refresh_insert = refresh_match
 
     def native_rule(self) -> tuple:
-        return ("swa", self.window, float(self.window + self.tree.page_size), self.lru.prev, self.lru.next,
-                self.lru.head)
+        return ("swa", self.window, float(self.window + self.tree.page_size), self.lru.head)
 
     def _tombstone_tail(self, node: "HNode", start: int, end: int, floor: int):
         """Where node's SWA can live given the request's freed floor: None (nothing, or node has SWA already),
