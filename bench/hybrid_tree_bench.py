@@ -1,14 +1,15 @@
 """radixd's hybrid tree against SGLang 0.5.23's UnifiedRadixCache (its Rust tree core) on the same operations.
 
     .venv-sglang/bin/python bench/hybrid_tree_bench.py [--config tri|swa|mamba] [--page 16] [--window 4096]
-        [--convs 200] [--turns 4] [--runs 3]
+        [--convs 200] [--turns 4] [--runs 3] [--events]
 
 A multi-turn chat workload (shared system prompts, each turn extends its conversation): per phase, ops/s of
 both on identical operations, and radixd/SGLang ratios (medians of --runs). Phases: insert (a turn's prefix,
 with its donated MAMBA state), match (every turn again), lock+unlock (each matched node), evict (everything,
-one call per 1/50 of the cache). SGLang's frees are intercepted where its cache applies them (as in
-tests/hybrid_differential.py), so neither side pays for an allocator. Memory: RSS growth per cached token
-while each tree holds the whole workload.
+one call per 1/50 of the cache). Neither side records KV events (SGLang's default; --events turns radixd's
+on). SGLang's frees are intercepted where its cache applies them (as in tests/hybrid_differential.py), so
+neither side pays for an allocator. Memory: RSS growth per cached token while each tree holds the whole
+workload.
 """
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ def workload(convs: int, turns: int, page: int, seed: int = 0) -> list[list[int]
 
 def one_run(args) -> dict:
     reqs = workload(args.convs, args.turns, args.page)
-    cache, rec, mine, comps = build(args.config, args.page, "rust", args.window)
+    cache, rec, mine, comps = build(args.config, args.page, "rust", args.window, events=args.events)
     has_mamba = CT.MAMBA in comps
     out = {}
     # insert: each turn's whole prefix; slots are fresh for the new tail (the shared part is a duplicate)
@@ -131,10 +132,13 @@ def main() -> None:
     ap.add_argument("--convs", type=int, default=200)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--events", action="store_true",
+                    help="radixd records KV events too (SGLang's cache here records none, its default)")
     args = ap.parse_args()
     runs = [one_run(args) for _ in range(args.runs)]
     print(f"config={args.config} page={args.page} window={args.window} requests={args.convs * args.turns} "
-          f"runs={args.runs} (medians; SGLang = UnifiedRadixCache, Rust core)")
+          f"runs={args.runs} events={'radixd only' if args.events else 'off'} "
+          f"(medians; SGLang = UnifiedRadixCache, Rust core)")
     print(f"{'phase':<14}{'radixd':>14}{'SGLang':>14}{'ratio':>10}")
     for phase in runs[0]:
         a = statistics.median(r[phase][0] for r in runs)

@@ -93,7 +93,7 @@ class Recorder:
             raise AssertionError(f"unexpected cache action {type(action).__name__}")
 
 
-def build(config: str, page: int, core: str, window: int = 0, cap: int = -1):
+def build(config: str, page: int, core: str, window: int = 0, cap: int = -1, events: bool = True):
     setup_allocator_context()
     if cap != -1:
         from sglang.srt.runtime_context import publish, reset_context
@@ -121,7 +121,7 @@ def build(config: str, page: int, core: str, window: int = 0, cap: int = -1):
     rec = Recorder(cache, CT.SWA in comps)
     cache._apply_cache_action = rec
     mine = HybridTree(page, window=window if CT.SWA in comps else None,
-                      mamba_chunk=CHUNK if CT.MAMBA in comps else None, events=True,
+                      mamba_chunk=CHUNK if CT.MAMBA in comps else None, events=events,
                       mamba_max_states_per_path=cap if CT.MAMBA in comps else -1)
     if CT.MAMBA in comps:
         grid = cache.components[CT.MAMBA].mamba_checkpoint_grid
