@@ -874,6 +874,149 @@ fail:
     return NULL;
 }
 
+/* ---- the plain (FULL-only) tree's lock walks: RadixTree's Node (server/tree/node.py), through its slots ---- */
+enum { FN_PARENT, FN_LOCK, FN_VALUE, FN_DVER, FN_SLOTS };
+static const char *const full_names[FN_SLOTS] = {"parent", "lock_ref", "value", "dver"};
+static PyObject *full_attr[FN_SLOTS];
+static Layout full_layout;
+
+static inline PyObject *fget(PyObject *obj, int k) {  /* a new reference */
+    if (Py_TYPE(obj) == full_layout.tp) {
+        PyObject *v = *at(obj, full_layout.off[k]);
+        if (v != NULL) {
+            Py_INCREF(v);
+            return v;
+        }
+    }
+    return PyObject_GetAttr(obj, full_attr[k]);
+}
+
+static int fnode_add(PyObject *obj, int k, Py_ssize_t delta, Py_ssize_t *now) {  /* obj.<k> += delta */
+    PyObject *v = fget(obj, k);
+    if (v == NULL)
+        return -1;
+    Py_ssize_t was = PyLong_AsSsize_t(v);
+    Py_DECREF(v);
+    if (was == -1 && PyErr_Occurred())
+        return -1;
+    *now = was + delta;
+    PyObject *w = PyLong_FromSsize_t(*now);
+    if (w == NULL)
+        return -1;
+    if (Py_TYPE(obj) == full_layout.tp) {
+        PyObject **slot = at(obj, full_layout.off[k]), *old = *slot;
+        *slot = w;
+        Py_XDECREF(old);
+        return 0;
+    }
+    int r = PyObject_SetAttr(obj, full_attr[k], w);
+    Py_DECREF(w);
+    return r;
+}
+
+static Py_ssize_t value_tokens(PyObject *node) {  /* len(node.value) >> 2: packed int32 slots */
+    PyObject *v = fget(node, FN_VALUE);
+    if (v == NULL)
+        return -1;
+    Py_ssize_t n = PyBytes_Check(v) ? PyBytes_GET_SIZE(v) >> 2 : -1;
+    Py_DECREF(v);
+    if (n < 0)
+        PyErr_SetString(PyExc_TypeError, "a device-locked node's value must be packed slots (bytes)");
+    return n;
+}
+
+/* full_lock(node, leaves) -> tokens: RadixTree.lock's device walk. Every node from node up to its root, the root
+ * included, takes one lock; a node whose count leaves 0 gives its tokens and stops being a D-leaf (out of leaves,
+ * its heap entry staled by dver). */
+static PyObject *full_lock(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || !PySet_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "full_lock(node, leaves: set)");
+        return NULL;
+    }
+    layout_of(&full_layout, Py_TYPE(args[0]), full_names, FN_SLOTS);
+    PyObject *node = args[0], *leaves = args[1];
+    Py_INCREF(node);
+    Py_ssize_t newly = 0, lock, ver;
+    for (;;) {
+        PyObject *parent = fget(node, FN_PARENT);
+        if (parent == NULL)
+            goto fail;
+        if (parent == Py_None) {  /* the namespace root counts locks too, so it is never pruned under one */
+            Py_DECREF(parent);
+            if (fnode_add(node, FN_LOCK, 1, &lock) < 0)
+                goto fail;
+            break;
+        }
+        PyObject *v = fget(node, FN_LOCK);
+        Py_ssize_t was = v ? PyLong_AsSsize_t(v) : -1;
+        Py_XDECREF(v);
+        int r = 0;
+        if ((was == -1 && PyErr_Occurred()) || v == NULL)
+            r = -1;
+        else if (was == 0) {
+            Py_ssize_t n = value_tokens(node);
+            int gone = n < 0 ? -1 : PySet_Discard(leaves, node);
+            r = gone < 0 ? -1 : (gone ? fnode_add(node, FN_DVER, 1, &ver) : 0);
+            newly += n;
+        }
+        if (r < 0 || fnode_add(node, FN_LOCK, 1, &lock) < 0) {
+            Py_DECREF(parent);
+            goto fail;
+        }
+        Py_DECREF(node);
+        node = parent;
+    }
+    Py_DECREF(node);
+    return PyLong_FromSsize_t(newly);
+fail:
+    Py_DECREF(node);
+    return NULL;
+}
+
+/* full_unlock(node) -> (tokens, root): RadixTree._dunlock's walk. Every node from node up to its root, the root
+ * included, gives one lock back; tokens: those of the nodes whose count reached 0; root: the root when its count
+ * reached 0 (to prune), else None. Of the nodes reaching 0 only node can be a D-leaf (each above it has the
+ * device-resident child below it on this path): the caller checks that one. */
+static PyObject *full_unlock(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 1) {
+        PyErr_SetString(PyExc_TypeError, "full_unlock(node)");
+        return NULL;
+    }
+    layout_of(&full_layout, Py_TYPE(args[0]), full_names, FN_SLOTS);
+    PyObject *node = args[0], *root = Py_None;
+    Py_INCREF(node);
+    Py_ssize_t freed = 0, lock;
+    for (;;) {
+        PyObject *parent = fget(node, FN_PARENT);
+        if (parent == NULL || fnode_add(node, FN_LOCK, -1, &lock) < 0) {
+            Py_XDECREF(parent);
+            goto fail;
+        }
+        if (parent == Py_None) {
+            Py_DECREF(parent);
+            if (lock == 0)
+                root = node;
+            break;
+        }
+        if (lock == 0) {
+            Py_ssize_t n = value_tokens(node);
+            if (n < 0) {
+                Py_DECREF(parent);
+                goto fail;
+            }
+            freed += n;
+        }
+        Py_DECREF(node);
+        node = parent;
+    }
+    PyObject *out = Py_BuildValue("(nO)", freed, root);
+    Py_DECREF(node);
+    return out;
+fail:
+    Py_DECREF(node);
+    return NULL;
+}
+
 static PyObject *fast_paths(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(args)) {
     return Py_BuildValue("{sOsOsOsO}", "numpy_fields", np_type ? Py_True : Py_False, "numpy_new",
                          np_new ? Py_True : Py_False, "result_slots", result_layout.tp ? Py_True : Py_False,
@@ -881,6 +1024,10 @@ static PyObject *fast_paths(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(args)
 }
 
 static PyMethodDef methods[] = {
+    {"full_lock", (PyCFunction)(void (*)(void))full_lock, METH_FASTCALL,
+     "RadixTree.lock's device walk: the tokens whose lock went 0 -> 1 (those nodes leave the D-leaf set)."},
+    {"full_unlock", (PyCFunction)(void (*)(void))full_unlock, METH_FASTCALL,
+     "RadixTree._dunlock's walk: (tokens whose lock went 1 -> 0, the root if its lock did, else None)."},
     {"fast_paths", fast_paths, METH_NOARGS, "Which fast paths this process proved: numpy's fields and constructor, the result's and counters' slots."},
     {"match", (PyCFunction)(void (*)(void))match, METH_FASTCALL, "HybridTree.match_prefix's walk and refresh."},
     {"lock_path", (PyCFunction)(void (*)(void))lock_path, METH_FASTCALL,
@@ -901,6 +1048,9 @@ PyMODINIT_FUNC PyInit__hwalk(void) {
     PyObject **slots[] = {&s_children, &s_key, &s_parent, &s_atime, &s_swa, &s_n, &s_mamba, &s_full, &s_lock,
                           &s_slock, &s_suuid, &s_id, &s_sprev, &s_snext, &s_mprev, &s_mnext, &s_clock, &s_counters,
                           &s_queried, &s_hits};  /* interned */
+    for (int k = 0; k < FN_SLOTS; k++)
+        if ((full_attr[k] = PyUnicode_InternFromString(full_names[k])) == NULL)
+            return NULL;
     for (int i = 0; i < (int)(sizeof(slots) / sizeof(slots[0])); i++) {
         *slots[i] = PyUnicode_InternFromString(names[i]);
         if (*slots[i] == NULL)

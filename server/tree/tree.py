@@ -43,6 +43,11 @@ from .results import _EMPTY, BackupAction, EvictResult, FreedSlots, InsertResult
 from .storage import StorageMixin
 from .transfers import BackupOp, LoadOp, TransferMixin
 
+try:  # the lock walks in C (server/tree/_hwalk.c), optional like every native part
+    from . import _hwalk
+except ImportError:  # pragma: no cover - built by setup.py wherever a C compiler is
+    _hwalk = None
+
 Namespace = tuple[str, str]
 TokenInput = Union[bytes, bytearray, memoryview, np.ndarray, Iterable[int]]
 DEFAULT_NS: Namespace = ("", "")
@@ -84,7 +89,7 @@ class RadixTree(TransferMixin, StorageMixin):
     def __init__(self, page_size: int = 1, policy: str = "lru", bigram: bool = False, instance_tag: int = 0,
                  write_policy: Optional[str] = None, write_through_threshold: Optional[int] = None,
                  load_back_threshold: int = 10, slru_threshold: int = DEFAULT_SLRU_THRESHOLD,
-                 events: bool = False, events_limit: int = 1 << 20):
+                 events: bool = False, events_limit: int = 1 << 20, native: bool = True):
         if page_size < 1:
             raise ValueError("page_size must be >= 1")
         if not 0 <= instance_tag < (1 << 16):
@@ -130,6 +135,7 @@ class RadixTree(TransferMixin, StorageMixin):
         self.host_protected_size = 0
         self.counters = TreeCounters()
         self._ev: Optional[EventQueue] = EventQueue(events_limit) if events else None
+        self._walk = _hwalk if native else None  # the lock walks in C; None: the Python loops (their reference)
         self._seeds: dict[Namespace, Optional[bytes]] = {}
         self._hfmt = (self._page_b, self.bigram)  # shared by every lazy digest run (hashes.py)
         self._root(DEFAULT_NS)
@@ -334,6 +340,11 @@ class RadixTree(TransferMixin, StorageMixin):
     # ---------------------------------------------------------------- locks
     def _dlock(self, node: Node) -> int:
         """Device-lock node..root (all device-resident); returns the tokens newly moved to protected."""
+        if self._walk is not None:
+            newly = self._walk.full_lock(node, self._leaves)
+            self.evictable_size -= newly
+            self.protected_size += newly
+            return newly
         newly = 0
         walker = node
         while walker.parent is not None:
@@ -349,6 +360,15 @@ class RadixTree(TransferMixin, StorageMixin):
         return newly
 
     def _dunlock(self, node: Node) -> None:
+        if self._walk is not None:
+            freed, root = self._walk.full_unlock(node)
+            self.protected_size -= freed
+            self.evictable_size += freed
+            if self._is_leaf(node):  # the only node of the path that can have become a D-leaf
+                self._add_leaf(node)
+            if root is not None:
+                self._prune_root(root)
+            return
         walker = node
         while walker.parent is not None:
             walker.lock_ref -= 1
@@ -650,7 +670,13 @@ class RadixTree(TransferMixin, StorageMixin):
         """
         node = self._node(node_id)
         receipt = self._mint()
-        if node.value is not None:  # the common case, inlined: one walk, no extra calls
+        if node.value is not None and self._walk is not None:  # the common case: one walk in C
+            newly = self._walk.full_lock(node, self._leaves)
+            self.evictable_size -= newly
+            self.protected_size += newly
+            self._receipts[receipt] = (node, None)
+            return receipt
+        if node.value is not None:  # the same, in Python
             newly = 0
             walker = node
             leaves = self._leaves

@@ -1,0 +1,79 @@
+"""The plain tree's lock walks in C (server/tree/_hwalk.c: full_lock, full_unlock) against their Python reference
+(RadixTree(native=False)): two trees, the same random operations, the whole state equal after every step."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from radixd.server.tree import tree as tree_mod
+from radixd.server.tree.tree import RadixTree
+
+pytestmark = pytest.mark.skipif(tree_mod._hwalk is None, reason="server/tree/_hwalk.c was not built")
+
+
+def snapshot(t: RadixTree) -> dict:
+    """Everything a lock walk can touch: every node's locks, heap version and place, the leaf set, the heap, the
+    sizes, the roots."""
+    return dict(
+        nodes={nid: (n.key, n.value, n.lock_ref, n.dver, n.parent.id if n.parent else None, n.last_access)
+               for nid, n in t._nodes.items()},
+        leaves=sorted(n.id for n in t._leaves),
+        heap=sorted((e[1], e[2], e[3].id) for e in t._heap),
+        sizes=(t.evictable_size, t.protected_size),
+        roots={ns: r.id for ns, r in t._roots.items()},
+        receipts={r: (a.id, b.id if b else None) for r, (a, b) in t._receipts.items()},
+    )
+
+
+@pytest.mark.parametrize("page,policy", [(1, "lru"), (4, "slru"), (16, "lfu")])
+def test_native_and_python_lock_walks_agree_step_by_step(page, policy):
+    rng = random.Random(page)
+    pair = [RadixTree(page_size=page, policy=policy, native=n) for n in (True, False)]
+    assert pair[0]._walk is not None and pair[1]._walk is None
+    prompts = [[rng.randrange(5) for _ in range(rng.randrange(2, 12) * page)] for _ in range(10)]
+    held: list[int] = []
+    slot = 1
+    for step in range(3000):
+        op = rng.choice(["insert", "insert", "match", "lock", "lock", "unlock", "unlock", "evict"])
+        base = rng.choice(prompts)
+        toks = base[:rng.randrange(len(base) + 1)] + [rng.randrange(5) for _ in range(rng.randrange(3) * page)]
+        ns = rng.choice([("", ""), ("a", "")])
+        if op == "insert":
+            vals = np.arange(slot, slot + len(toks), dtype=np.int32)
+            slot += len(toks)
+            out = [t.insert(toks, vals, ns) for t in pair]
+            assert out[0].duplicates.tolist() == out[1].duplicates.tolist()
+        elif op in ("match", "lock"):
+            ms = [t.match_prefix(toks, ns) for t in pair]
+            assert ms[0].indices.tolist() == ms[1].indices.tolist() and ms[0].node_id == ms[1].node_id
+            if op == "lock":
+                receipts = [t.lock(m.node_id) for t, m in zip(pair, ms)]
+                assert receipts[0] == receipts[1]
+                held.append(receipts[0])
+        elif op == "unlock" and held:
+            r = held.pop(rng.randrange(len(held)))
+            for t in pair:
+                t.unlock(r)
+        elif op == "evict":
+            want = rng.randrange(1, 30)
+            out = [t.evict(want) for t in pair]
+            assert out[0].freed.tolist() == out[1].freed.tolist()
+        assert snapshot(pair[0]) == snapshot(pair[1]), f"step {step}: {op}"
+        if step % 100 == 0:
+            assert pair[0].check() == [] and pair[1].check() == []
+    assert pair[0].counters.evicted_tokens_device > 0 and pair[0].protected_size >= 0
+
+
+def test_native_lock_walks_refuse_bad_arguments():
+    t = RadixTree(page_size=1)
+    t.insert([1, 2, 3], np.arange(3, dtype=np.int32))
+    node = t._nodes[t.match_prefix([1, 2, 3]).node_id]
+    with pytest.raises(TypeError):
+        tree_mod._hwalk.full_lock(node, [])  # leaves must be a set
+    with pytest.raises(TypeError):
+        tree_mod._hwalk.full_unlock(node, 1)
+    with pytest.raises(AttributeError):
+        tree_mod._hwalk.full_lock(object(), set())
+    assert t.check() == []
