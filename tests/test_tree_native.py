@@ -1,5 +1,6 @@
-"""The plain tree's lock walks in C (server/tree/_hwalk.c: full_lock, full_unlock) against their Python reference
-(RadixTree(native=False)): two trees, the same random operations, the whole state equal after every step."""
+"""The plain tree's match and lock walks in C (server/tree/_hwalk.c: full_match, full_lock, full_unlock) against
+their Python reference (RadixTree(native=False)): two trees, the same random operations, the whole state equal after
+every step."""
 from __future__ import annotations
 
 import random
@@ -40,9 +41,12 @@ def test_native_and_python_lock_walks_agree_step_by_step(page, policy):
         base = rng.choice(prompts)
         toks = base[:rng.randrange(len(base) + 1)] + [rng.randrange(5) for _ in range(rng.randrange(3) * page)]
         ns = rng.choice([("", ""), ("a", "")])
+        form = rng.choice([list, lambda x: np.array(x, dtype=np.int32), lambda x: np.array(x, dtype=np.int32).tobytes(),
+                           lambda x: np.array(x, dtype=np.int64)])  # every form a caller may hand over
+        n, toks = len(toks), form(toks)
         if op == "insert":
-            vals = np.arange(slot, slot + len(toks), dtype=np.int32)
-            slot += len(toks)
+            vals = np.arange(slot, slot + n, dtype=np.int32)
+            slot += n
             out = [t.insert(toks, vals, ns) for t in pair]
             assert out[0].duplicates.tolist() == out[1].duplicates.tolist()
         elif op in ("match", "lock"):
@@ -64,6 +68,9 @@ def test_native_and_python_lock_walks_agree_step_by_step(page, policy):
         if step % 100 == 0:
             assert pair[0].check() == [] and pair[1].check() == []
     assert pair[0].counters.evicted_tokens_device > 0 and pair[0].protected_size >= 0
+    assert pair[0].counters == pair[1].counters
+    paths = tree_mod._hwalk.fast_paths()
+    assert paths["match_slots"] and paths["node_slots"] and paths["counter_slots"], paths
 
 
 def test_native_lock_walks_refuse_bad_arguments():

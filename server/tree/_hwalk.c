@@ -123,6 +123,21 @@ static PyTypeObject *np_type;
 static int np_tried;
 #define I64(d) ((d)->kind == 'i' && ((d)->type == 'l' || (d)->type == 'q'))  /* int64 on LP64 */
 
+/* Learn numpy's array type from an ndarray whose fields agree with what the buffer protocol says of it. */
+static void np_learn(PyObject *arr, const Py_buffer *view) {
+    if (np_tried || strcmp(Py_TYPE(arr)->tp_name, "numpy.ndarray") != 0)
+        return;
+    np_tried = 1;
+    NpArray *a = (NpArray *)arr;
+    const char *f = view->format ? view->format : "B";
+    f += (*f == '<' || *f == '=' || *f == '@');
+    if (a->nd == 1 && a->data == view->buf && a->dimensions[0] * view->itemsize == view->len &&
+        a->strides[0] == view->itemsize && a->descr->type == *f && !f[1]) {
+        Py_INCREF(Py_TYPE(arr));
+        np_type = Py_TYPE(arr);
+    }
+}
+
 /* An int64 vector's memory: numpy's own fields where they were proven, else the buffer protocol (view->obj set:
  * release it). */
 static int int64_view(PyObject *arr, Py_buffer *view, int flags) {
@@ -146,21 +161,13 @@ static int int64_view(PyObject *arr, Py_buffer *view, int flags) {
         PyErr_SetString(PyExc_TypeError, "a node's FULL slots are int64");
         return -1;
     }
-    if (!np_tried && strcmp(Py_TYPE(arr)->tp_name, "numpy.ndarray") == 0) {
-        np_tried = 1;
-        NpArray *a = (NpArray *)arr;
-        if (a->nd == 1 && a->data == view->buf && a->dimensions[0] * 8 == view->len && a->strides[0] == 8 &&
-            I64(a->descr)) {
-            Py_INCREF(Py_TYPE(arr));
-            np_type = Py_TYPE(arr);
-        }
-    }
+    np_learn(arr, view);
     return 0;
 }
 
 /* numpy's PyArray_New (entry 93 of its C API table; PyArray_Type is entry 2: fixed since numpy 1.0), found through
- * the capsule numpy exports, used once a one-element int64 vector made with it reads back right; until then, and
- * without it, ctx's np.empty. */
+ * the capsule numpy exports, used once one-element int64 and int32 vectors made with it read back right; until
+ * then, and without it, ctx's np.empty. */
 typedef PyObject *(*np_new_fn)(PyTypeObject *, int, const Py_ssize_t *, int, const Py_ssize_t *, void *, int, int,
                                PyObject *);
 static np_new_fn np_new;
@@ -179,29 +186,35 @@ static void np_api(void) {
     Py_XDECREF(mod);
     void **api = cap && PyCapsule_CheckExact(cap) ? PyCapsule_GetPointer(cap, NULL) : NULL;
     Py_XDECREF(cap);  /* the table lives as long as numpy's module */
-    if (api == NULL || (PyTypeObject *)api[2] != np_type) {
+    if (api == NULL || (PyTypeObject *)api[2] != np_type || sizeof(long) != 8) {
         PyErr_Clear();
         return;
     }
     np_new_fn f = (np_new_fn)api[93];
-    Py_ssize_t one = 1;
-    PyObject *probe = f(np_type, 1, &one, 7 /* NPY_LONG: int64 on LP64 */, NULL, NULL, 0, 0, NULL);
-    if (probe == NULL) {
-        PyErr_Clear();
-        return;
+    const int typenums[2] = {7 /* NPY_LONG: int64 on LP64 */, 5 /* NPY_INT: int32 */};
+    const char types[2] = {'l', 'i'};
+    for (int i = 0; i < 2; i++) {
+        Py_ssize_t one = 1;
+        PyObject *probe = f(np_type, 1, &one, typenums[i], NULL, NULL, 0, 0, NULL);
+        if (probe == NULL) {
+            PyErr_Clear();
+            return;
+        }
+        NpArray *a = (NpArray *)probe;
+        int ok = Py_TYPE(probe) == np_type && a->nd == 1 && a->dimensions[0] == 1 && a->strides[0] == 8 - 4 * i &&
+                 a->descr->kind == 'i' && a->descr->type == types[i] && (a->flags & 0x401) == 0x401;
+        Py_DECREF(probe);
+        if (!ok)
+            return;
     }
-    NpArray *a = (NpArray *)probe;
-    if (sizeof(long) == 8 && Py_TYPE(probe) == np_type && a->nd == 1 && a->dimensions[0] == 1 &&
-        a->strides[0] == 8 && I64(a->descr) && (a->flags & 0x401) == 0x401)
-        np_new = f;
-    Py_DECREF(probe);
+    np_new = f;
 }
 
-/* A new int64 vector of n items: numpy's own constructor where proven, else empty(n, dtype). */
-static PyObject *new_int64(Py_ssize_t n, PyObject *empty, PyObject *dtype) {
+/* A new int64 (wide) or int32 vector of n items: numpy's own constructor where proven, else empty(n, dtype). */
+static PyObject *new_vector(Py_ssize_t n, int wide, PyObject *empty, PyObject *dtype) {
     np_api();
     if (np_new != NULL)
-        return np_new(np_type, 1, &n, 7, NULL, NULL, 0, 0, NULL);
+        return np_new(np_type, 1, &n, wide ? 7 : 5, NULL, NULL, 0, 0, NULL);
     PyObject *size = PyLong_FromSsize_t(n);
     if (size == NULL)
         return NULL;
@@ -268,6 +281,62 @@ static int path_push(Path *p, PyObject *node, Py_ssize_t ntok) {  /* steals node
     return 0;
 }
 
+/* children[page] (a new reference), or NULL (with an error set, or none: no such child). A few children: their pages
+ * are compared, no hash of ours to compute. */
+static PyObject *find_child(PyObject *children, const char *page, Py_ssize_t pb) {
+    PyObject *child = NULL;
+    int scanned = PyDict_GET_SIZE(children) <= 4;
+    if (scanned) {
+        Py_ssize_t pos = 0;
+        PyObject *k, *v;
+        while (PyDict_Next(children, &pos, &k, &v)) {
+            if (!PyBytes_CheckExact(k)) {
+                scanned = 0;
+                child = NULL;
+                break;
+            }
+            if (child == NULL && PyBytes_GET_SIZE(k) == pb && memcmp(PyBytes_AS_STRING(k), page, pb) == 0)
+                child = v;
+        }
+    }
+    if (!scanned) {
+        PyObject *key = PyBytes_FromStringAndSize(page, pb);
+        if (key == NULL)
+            return NULL;
+        child = PyDict_GetItemWithError(children, key);
+        Py_DECREF(key);
+    }
+    Py_XINCREF(child);
+    return child;
+}
+
+/* A key's packed little-endian int32 tokens, read in place: bytes, or a C-contiguous int32 vector. 1: read
+ * (release with int64_release), 0: something else (the caller packs it), -1: an error. */
+static int read_key(PyObject *obj, Py_buffer *key) {
+    NpArray *ka = (NpArray *)obj;
+    if (Py_TYPE(ka) == np_type && ka->nd == 1 && ka->strides[0] == 4 && ka->descr->kind == 'i' &&
+        ka->descr->type == 'i' && (ka->flags & 0x1)) {  /* numpy's fields, as proven by np_learn */
+        key->obj = NULL;
+        key->buf = ka->data;
+        key->len = ka->dimensions[0] * 4;
+        return 1;
+    }
+    if (!PyObject_CheckBuffer(obj))
+        return 0;
+    if (PyObject_GetBuffer(obj, key, PyBUF_RECORDS_RO) < 0)
+        return -1;
+    const char *f = key->format ? key->format : "B";
+    f += (*f == '<' || *f == '=' || *f == '@');
+    if (!((key->itemsize == 1 && (*f == 'B' || *f == 'b' || *f == 'c')) || (key->itemsize == 4 && *f == 'i')) ||
+        f[1] || key->ndim > 1 || key->len % 4 || !PyBuffer_IsContiguous(key, 'C')) {
+        PyBuffer_Release(key);
+        return 0;
+    }
+    if (key->itemsize == 4)
+        np_learn(obj, key);
+    return 1;
+}
+
 /* The walk of match() over the whole pages of kb[:len]: whole edges onto path; an edge the key ends inside is split
  * through tree._split and its upper part ends the path. *hit: every matched token. */
 static int walk(PyObject *tree, PyObject *root, const char *kb, Py_ssize_t len, Py_ssize_t pb, Path *path,
@@ -285,31 +354,7 @@ static int walk(PyObject *tree, PyObject *root, const char *kb, Py_ssize_t len, 
             PyErr_SetString(PyExc_TypeError, "walk: children must be a dict");
             return -1;
         }
-        PyObject *child = NULL;  /* keyed by the child's first page */
-        int scanned = PyDict_GET_SIZE(children) <= 4;
-        if (scanned) {  /* a few children: compare their pages, no hash of ours to compute */
-            Py_ssize_t pos = 0;
-            PyObject *k, *v;
-            while (PyDict_Next(children, &pos, &k, &v)) {
-                if (!PyBytes_CheckExact(k)) {
-                    scanned = 0;
-                    child = NULL;
-                    break;
-                }
-                if (child == NULL && PyBytes_GET_SIZE(k) == pb && memcmp(PyBytes_AS_STRING(k), kb + off, pb) == 0)
-                    child = v;
-            }
-        }
-        if (!scanned) {
-            PyObject *page = PyBytes_FromStringAndSize(kb + off, pb);
-            if (page == NULL) {
-                Py_DECREF(children);
-                return -1;
-            }
-            child = PyDict_GetItemWithError(children, page);
-            Py_DECREF(page);
-        }
-        Py_XINCREF(child);
+        PyObject *child = find_child(children, kb + off, pb);
         Py_DECREF(children);
         if (child == NULL)
             return PyErr_Occurred() ? -1 : 0;
@@ -505,14 +550,15 @@ static int concat_impl(const Path *path, Py_ssize_t limit, char *out, Py_ssize_t
 }
 
 static Layout counters_layout, result_layout;
-static const char *const counter_names[] = {"queried_tokens", "hit_tokens"};
+static const char *const counter_names[] = {"queried_tokens", "hit_tokens", "host_hit_tokens"};
+static PyObject *s_host_hits;
 static const char *const result_names[] = {"indices", "matched_len", "node_id", "full_hit_len", "swa_branching_seqlen",
                                            "mamba_branching_seqlen", "mamba_src"};
 
 /* counters.<k-th of counter_names> += delta */
 static int counter_add(PyObject *counters, int k, Py_ssize_t delta) {
-    int fast = layout_of(&counters_layout, Py_TYPE(counters), counter_names, 2);
-    PyObject *name = k ? s_hits : s_queried, *v = fast ? *at(counters, counters_layout.off[k]) : NULL, *w = NULL;
+    int fast = layout_of(&counters_layout, Py_TYPE(counters), counter_names, 3);
+    PyObject *name = k == 2 ? s_host_hits : k ? s_hits : s_queried, *v = fast ? *at(counters, counters_layout.off[k]) : NULL, *w = NULL;
     if (v != NULL)
         Py_INCREF(v);
     else if ((v = PyObject_GetAttr(counters, name)) == NULL)
@@ -541,17 +587,17 @@ static int counter_add(PyObject *counters, int k, Py_ssize_t delta) {
     return r;
 }
 
-/* cls(*res) (res: n new references, all stolen); a slots class of result_names is filled in place. */
-static PyObject *make_result(PyObject *cls, PyObject **res, int n) {
+/* cls(*res) (res: n new references, all stolen); a slots class with these field names is filled in place. */
+static PyObject *make_result(Layout *lay, const char *const *names, PyObject *cls, PyObject **res, int n) {
     PyObject *out = NULL;
     int ok = 1;
     for (int i = 0; i < n; i++)
         ok &= res[i] != NULL;
-    if (ok && PyType_Check(cls) && layout_of(&result_layout, (PyTypeObject *)cls, result_names, n)) {
+    if (ok && PyType_Check(cls) && layout_of(lay, (PyTypeObject *)cls, names, n)) {
         PyTypeObject *tp = (PyTypeObject *)cls;
         if ((out = tp->tp_alloc(tp, 0)) != NULL) {
             for (int i = 0; i < n; i++) {
-                *at(out, result_layout.off[i]) = res[i];
+                *at(out, lay->off[i]) = res[i];
                 res[i] = NULL;
             }
         }
@@ -604,24 +650,10 @@ static PyObject *match(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssiz
         PyErr_Format(PyExc_ValueError, "match: page of %zd bytes, %zd tokens, MAMBA grid %zd", pb, page, grid);
         return NULL;
     }
-    Py_buffer key;  /* packed little-endian int32 tokens: bytes, or a C-contiguous int32 vector */
-    NpArray *ka = (NpArray *)args[2];
-    if (Py_TYPE(ka) == np_type && ka->nd == 1 && ka->strides[0] == 4 && ka->descr->kind == 'i' &&
-        ka->descr->type == 'i' && (ka->flags & 0x1)) {  /* numpy's fields, as proven by int64_view */
-        key.obj = NULL;
-        key.buf = ka->data;
-        key.len = ka->dimensions[0] * 4;
-    } else {
-        if (PyObject_GetBuffer(args[2], &key, PyBUF_RECORDS_RO) < 0)
-            return NULL;
-        const char *f = key.format ? key.format : "B";
-        f += (*f == '<' || *f == '=' || *f == '@');
-        if (!((key.itemsize == 1 && (*f == 'B' || *f == 'b' || *f == 'c')) || (key.itemsize == 4 && *f == 'i')) ||
-            f[1] || key.ndim > 1 || !PyBuffer_IsContiguous(&key, 'C')) {
-            PyBuffer_Release(&key);
-            Py_RETURN_NOTIMPLEMENTED;  /* the caller packs it */
-        }
-    }
+    Py_buffer key;
+    int got = read_key(args[2], &key);
+    if (got <= 0)
+        return got < 0 ? NULL : Py_NewRef(Py_NotImplemented);  /* the caller packs it */
     Path path;
     path_init(&path);
     Py_ssize_t hit, queried = (key.len - key.len % pb) / 4;
@@ -686,7 +718,7 @@ static PyObject *match(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssiz
     } else if (best_n == 1) {
         indices = nget(best, K_FULL);
     } else {  /* a new int64 vector, filled in place */
-        indices = new_int64(matched, PyTuple_GET_ITEM(ctx, 1), PyTuple_GET_ITEM(ctx, 2));
+        indices = new_vector(matched, 1, PyTuple_GET_ITEM(ctx, 1), PyTuple_GET_ITEM(ctx, 2));
         Py_buffer v;
         if (indices == NULL || int64_view(indices, &v, PyBUF_WRITABLE) < 0)
             goto done;
@@ -717,7 +749,7 @@ static PyObject *match(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssiz
         res[6] = PyLong_FromLong(-1);
     }
     indices = NULL;  /* res[0] */
-    out = make_result(PyTuple_GET_ITEM(ctx, 0), res, 7);
+    out = make_result(&result_layout, result_names, PyTuple_GET_ITEM(ctx, 0), res, 7);
 done:
     Py_XDECREF(indices);
     Py_XDECREF(counters);
@@ -875,8 +907,9 @@ fail:
 }
 
 /* ---- the plain (FULL-only) tree's lock walks: RadixTree's Node (server/tree/node.py), through its slots ---- */
-enum { FN_PARENT, FN_LOCK, FN_VALUE, FN_DVER, FN_SLOTS };
-static const char *const full_names[FN_SLOTS] = {"parent", "lock_ref", "value", "dver"};
+enum { FN_PARENT, FN_LOCK, FN_VALUE, FN_DVER, FN_CHILDREN, FN_KEY, FN_ID, FN_ATIME, FN_SLOTS };
+static const char *const full_names[FN_SLOTS] = {"parent", "lock_ref", "value", "dver", "children", "key", "id",
+                                                 "last_access"};
 static PyObject *full_attr[FN_SLOTS];
 static Layout full_layout;
 
@@ -1017,10 +1050,197 @@ fail:
     return NULL;
 }
 
+static int fnode_set(PyObject *obj, int k, PyObject *v) {  /* steals v */
+    if (v == NULL)
+        return -1;
+    if (Py_TYPE(obj) == full_layout.tp) {
+        PyObject **slot = at(obj, full_layout.off[k]), *old = *slot;
+        *slot = v;
+        Py_XDECREF(old);
+        return 0;
+    }
+    int r = PyObject_SetAttr(obj, full_attr[k], v);
+    Py_DECREF(v);
+    return r;
+}
+
+/* RadixTree._refresh: a leaf (device, else host) whose policy key changed is pushed again. */
+static int full_refresh(PyObject *tree, PyObject *node) {
+    static const char *const sets[2] = {"_leaves", "_hleaves"}, *const adds[2] = {"_add_leaf", "_add_hleaf"};
+    for (int i = 0; i < 2; i++) {
+        PyObject *leaves = PyObject_GetAttrString(tree, sets[i]);
+        int in = leaves == NULL ? -1 : PySet_Contains(leaves, node);
+        Py_XDECREF(leaves);
+        if (in < 0)
+            return -1;
+        if (in) {
+            PyObject *r = PyObject_CallMethod(tree, adds[i], "O", node);
+            Py_XDECREF(r);
+            return r == NULL ? -1 : 0;
+        }
+    }
+    return 0;
+}
+
+static Layout match_layout;
+static const char *const match_names[] = {"indices", "matched_len", "host_hit_len", "node_id", "best_node_id"};
+
+/* full_match(tree, root, key, page_bytes, ctx) -> MatchResult, or NotImplemented for a key to pack first.
+ * RadixTree.match_prefix after finding the namespace's root (a tree without bigram keys): the walk (an edge the key
+ * ends inside is split through tree._split), the counters, the path's access ticks, the refresh of the end nodes,
+ * the device slots of the path end to end. ctx: (MatchResult, empty, int32 dtype, no slots, page tokens). */
+static PyObject *full_match(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5 || !PyTuple_Check(args[4]) || PyTuple_GET_SIZE(args[4]) != 5) {
+        PyErr_SetString(PyExc_TypeError, "full_match(tree, root, key, page_bytes, ctx: (result_type, empty, int32, "
+                                         "no_slots, page))");
+        return NULL;
+    }
+    PyObject *tree = args[0], *root = args[1], *ctx = args[4];
+    layout_of(&full_layout, Py_TYPE(root), full_names, FN_SLOTS);
+    Py_ssize_t pb = PyLong_AsSsize_t(args[3]), page = PyLong_AsSsize_t(PyTuple_GET_ITEM(ctx, 4));
+    if (PyErr_Occurred())
+        return NULL;
+    if (pb <= 0 || pb % 4 || page <= 0 || pb != 4 * page) {
+        PyErr_Format(PyExc_ValueError, "full_match: page of %zd bytes, %zd tokens", pb, page);
+        return NULL;
+    }
+    Py_buffer key;
+    int got = read_key(args[2], &key);
+    if (got <= 0)
+        return got < 0 ? NULL : Py_NewRef(Py_NotImplemented);
+    const char *kb = key.buf;
+    Py_ssize_t n = key.len - key.len % pb, off = 0, dev_off = 0, total = 0;
+    Path path;
+    path_init(&path);
+    PyObject *out = NULL, *counters = NULL, *indices = NULL, *node = root, *dev = root;  /* borrowed */
+    if ((counters = PyObject_GetAttr(tree, s_counters)) == NULL || counter_add(counters, 0, key.len / 4) < 0)
+        goto done;
+    while (off < n) {
+        PyObject *children = fget(node, FN_CHILDREN);
+        if (children == NULL)
+            goto done;
+        if (!PyDict_Check(children)) {
+            Py_DECREF(children);
+            PyErr_SetString(PyExc_TypeError, "full_match: children must be a dict");
+            goto done;
+        }
+        PyObject *child = find_child(children, kb + off, pb);
+        Py_DECREF(children);
+        if (child == NULL) {
+            if (PyErr_Occurred())
+                goto done;
+            break;
+        }
+        PyObject *ck = fget(child, FN_KEY);
+        if (ck == NULL || !PyBytes_Check(ck)) {
+            Py_XDECREF(ck);
+            Py_DECREF(child);
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_TypeError, "full_match: a node's key must be bytes");
+            goto done;
+        }
+        Py_ssize_t cl = PyBytes_GET_SIZE(ck);
+        const char *a = PyBytes_AS_STRING(ck);
+        int whole = off + cl <= n && cl >= pb && memcmp(a + pb, kb + off + pb, (size_t)(cl - pb)) == 0;
+        if (!whole) {  /* page-aligned common prefix, then split there */
+            Py_ssize_t ntok = (cl < n - off ? cl : n - off) / 4, i = 0;
+            while (i < ntok && memcmp(a + 4 * i, kb + off + 4 * i, 4) == 0)
+                i++;
+            Py_ssize_t m = (i - i % page) * 4;
+            Py_DECREF(ck);
+            PyObject *upper = PyObject_CallMethod(tree, "_split", "On", child, m);
+            Py_DECREF(child);
+            if (upper == NULL)
+                goto done;
+            child = upper;
+            off += m;
+        } else {
+            Py_DECREF(ck);
+            off += cl;
+        }
+        if (path_push(&path, child, 0) < 0)
+            goto done;
+        node = child;
+        PyObject *v = fget(child, FN_VALUE);
+        if (v == NULL)
+            goto done;
+        if (v != Py_None) {
+            if (!PyBytes_Check(v)) {
+                Py_DECREF(v);
+                PyErr_SetString(PyExc_TypeError, "full_match: a node's value must be packed slots (bytes)");
+                goto done;
+            }
+            path.ntok[path.len - 1] = PyBytes_GET_SIZE(v);  /* here: bytes of device slots */
+            total += PyBytes_GET_SIZE(v);
+            dev = child;
+            dev_off = off;
+        }
+        Py_DECREF(v);
+        if (!whole)
+            break;
+    }
+    if (counter_add(counters, 1, dev_off / 4) < 0 || counter_add(counters, 2, (off - dev_off) / 4) < 0)
+        goto done;
+    if (path.len) {  /* root to leaf: a child is always newer than its parent (R2.3) */
+        PyObject *tv = PyObject_GetAttrString(tree, "_tick");
+        Py_ssize_t tick = tv ? PyLong_AsSsize_t(tv) : -1;
+        Py_XDECREF(tv);
+        if (tick == -1 && PyErr_Occurred())
+            goto done;
+        for (Py_ssize_t i = 0; i < path.len; i++)
+            if (fnode_set(path.node[i], FN_ATIME, PyLong_FromSsize_t(++tick)) < 0)
+                goto done;
+        tv = PyLong_FromSsize_t(tick);
+        int r = tv == NULL ? -1 : PyObject_SetAttrString(tree, "_tick", tv);
+        Py_XDECREF(tv);
+        if (r < 0 || full_refresh(tree, node) < 0 || (dev != node && dev != root && full_refresh(tree, dev) < 0))
+            goto done;
+    }
+    if (total == 0) {
+        indices = Py_NewRef(PyTuple_GET_ITEM(ctx, 3));
+    } else {
+        indices = new_vector(total / 4, 0, PyTuple_GET_ITEM(ctx, 1), PyTuple_GET_ITEM(ctx, 2));
+        Py_buffer w;
+        if (indices == NULL || PyObject_GetBuffer(indices, &w, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+            goto done;
+        int fits = w.len == total;
+        char *dst = w.buf;
+        for (Py_ssize_t i = 0; fits && i < path.len; i++) {
+            if (path.ntok[i] == 0)
+                continue;
+            PyObject *v = fget(path.node[i], FN_VALUE);  /* the bytes measured above: nothing ran since but refresh */
+            if (v == NULL || !PyBytes_Check(v) || PyBytes_GET_SIZE(v) != path.ntok[i]) {
+                fits = 0;
+            } else {
+                memcpy(dst, PyBytes_AS_STRING(v), (size_t)path.ntok[i]);
+                dst += path.ntok[i];
+            }
+            Py_XDECREF(v);
+        }
+        PyBuffer_Release(&w);
+        if (!fits) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_RuntimeError, "full_match: the path's slots changed under the match");
+            goto done;
+        }
+    }
+    PyObject *res[5] = {indices, PyLong_FromSsize_t(dev_off / 4), PyLong_FromSsize_t((off - dev_off) / 4),
+                        fget(dev, FN_ID), fget(node, FN_ID)};
+    indices = NULL;
+    out = make_result(&match_layout, match_names, PyTuple_GET_ITEM(ctx, 0), res, 5);
+done:
+    int64_release(&key);
+    Py_XDECREF(counters);
+    Py_XDECREF(indices);
+    path_free(&path);
+    return out;
+}
+
 static PyObject *fast_paths(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(args)) {
-    return Py_BuildValue("{sOsOsOsO}", "numpy_fields", np_type ? Py_True : Py_False, "numpy_new",
+    return Py_BuildValue("{sOsOsOsOsOsO}", "numpy_fields", np_type ? Py_True : Py_False, "numpy_new",
                          np_new ? Py_True : Py_False, "result_slots", result_layout.tp ? Py_True : Py_False,
-                         "counter_slots", counters_layout.tp ? Py_True : Py_False);
+                         "counter_slots", counters_layout.tp ? Py_True : Py_False, "match_slots",
+                         match_layout.tp ? Py_True : Py_False, "node_slots", full_layout.tp ? Py_True : Py_False);
 }
 
 static PyMethodDef methods[] = {
@@ -1028,6 +1248,8 @@ static PyMethodDef methods[] = {
      "RadixTree.lock's device walk: the tokens whose lock went 0 -> 1 (those nodes leave the D-leaf set)."},
     {"full_unlock", (PyCFunction)(void (*)(void))full_unlock, METH_FASTCALL,
      "RadixTree._dunlock's walk: (tokens whose lock went 1 -> 0, the root if its lock did, else None)."},
+    {"full_match", (PyCFunction)(void (*)(void))full_match, METH_FASTCALL,
+     "RadixTree.match_prefix after its root: walk, split, counters, ticks, refresh, the device slots."},
     {"fast_paths", fast_paths, METH_NOARGS, "Which fast paths this process proved: numpy's fields and constructor, the result's and counters' slots."},
     {"match", (PyCFunction)(void (*)(void))match, METH_FASTCALL, "HybridTree.match_prefix's walk and refresh."},
     {"lock_path", (PyCFunction)(void (*)(void))lock_path, METH_FASTCALL,
@@ -1048,6 +1270,8 @@ PyMODINIT_FUNC PyInit__hwalk(void) {
     PyObject **slots[] = {&s_children, &s_key, &s_parent, &s_atime, &s_swa, &s_n, &s_mamba, &s_full, &s_lock,
                           &s_slock, &s_suuid, &s_id, &s_sprev, &s_snext, &s_mprev, &s_mnext, &s_clock, &s_counters,
                           &s_queried, &s_hits};  /* interned */
+    if ((s_host_hits = PyUnicode_InternFromString("host_hit_tokens")) == NULL)
+        return NULL;
     for (int k = 0; k < FN_SLOTS; k++)
         if ((full_attr[k] = PyUnicode_InternFromString(full_names[k])) == NULL)
             return NULL;

@@ -135,7 +135,8 @@ class RadixTree(TransferMixin, StorageMixin):
         self.host_protected_size = 0
         self.counters = TreeCounters()
         self._ev: Optional[EventQueue] = EventQueue(events_limit) if events else None
-        self._walk = _hwalk if native else None  # the lock walks in C; None: the Python loops (their reference)
+        self._walk = _hwalk if native else None  # match and lock walks in C; None: the Python loops (their reference)
+        self._mctx = (MatchResult, np.empty, np.dtype("<i4"), _EMPTY, page_size)  # what the C match builds with
         self._seeds: dict[Namespace, Optional[bytes]] = {}
         self._hfmt = (self._page_b, self.bigram)  # shared by every lazy digest run (hashes.py)
         self._root(DEFAULT_NS)
@@ -496,6 +497,14 @@ class RadixTree(TransferMixin, StorageMixin):
     # ------------------------------------------------------------- public API
     def match_prefix(self, tokens: TokenInput, namespace: Namespace = DEFAULT_NS) -> MatchResult:
         """Longest cached page-aligned prefix over both tiers; a match ending inside an edge splits it."""
+        walk = self._walk
+        if walk is not None and not self.bigram:
+            root = self._roots.get(namespace)
+            if root is not None:  # the C walk reads packed or int32 tokens in place and builds the result
+                out = walk.full_match(self, root, tokens, self._page_b, self._mctx)
+                if out is NotImplemented:  # a list, or another dtype: packed first
+                    out = walk.full_match(self, root, self._encode_key(tokens), self._page_b, self._mctx)
+                return out
         kb = self._encode_key(tokens)
         n = self._align(len(kb))
         isz = self._isz
