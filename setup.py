@@ -1,5 +1,5 @@
 """Native parts, all optional (without a C compiler, or OpenSSL's headers for the first two, radixd runs them in
-Python): the page-hash chain, the KV event batch encoder and the hybrid tree's match loops."""
+Python): the page-hash chain, the KV event batch encoder and the trees' match and lock walks."""
 from setuptools import Extension, setup
 
 setup(ext_modules=[

@@ -1,7 +1,9 @@
-/* HybridTree.match_prefix (server/tree/hybrid.py) after reading the key, in C: the same steps in the same order on
- * the same Python objects (HNode slots, the components' LRU lists threaded through them), without the interpreter's
- * per-node overhead.
+/* The radix trees' hot walks in C: the same steps in the same order on the same Python objects (the nodes' slots,
+ * the hybrid components' LRU lists threaded through them), without the interpreter's per-node overhead. Each has
+ * its Python reference beside it (native=False), and tests/test_hybrid_native.py and tests/test_tree_native.py run
+ * both on the same random operations, holding every result and every node equal.
  *
+ * The hybrid tree (server/tree/hybrid.py):
  * match(tree, root, key, page_bytes, rules, ctx) -> HybridMatch, or NotImplemented for a key to pack first
  *     key: packed int32 tokens (bytes, or a C-contiguous int32 vector: no copy), its whole pages only.
  *     The walk along whole edges of key (children keyed by their first page); an edge the key ends
@@ -20,8 +22,11 @@
  *     does the rest (counters, the boundary's mark, leaf updates and drops, in walk order).
  * A rule: ("swa", window, budget, head) or ("mamba", head); head is the front sentinel of the component's Lru
  * (server/tree/components/base.py), a list threaded through the nodes' sprev/snext or mprev/mnext slots.
- * HybridTree._match_path is the Python reference (no C compiler at install, or native=False); a property test
- * runs both on the same operations and holds every result and every node equal.
+ * The plain tree (server/tree/tree.py, its Node in node.py):
+ * full_match(tree, root, key, page_bytes, ctx) -> MatchResult, or NotImplemented for a key to pack first
+ * full_lock(node, leaves) -> tokens, full_unlock(node) -> (tokens, root or None)
+ *     RadixTree.match_prefix after its root, and the device lock walks (see each function).
+ * numpy's array fields and constructor are used directly once they have proven themselves (int64_view, np_api).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -1261,7 +1266,7 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_hwalk", "The hybrid tree's match loops in C.", -1,
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_hwalk", "The radix trees' match and lock walks in C.", -1,
                                     methods};
 
 PyMODINIT_FUNC PyInit__hwalk(void) {

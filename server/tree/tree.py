@@ -43,7 +43,7 @@ from .results import _EMPTY, BackupAction, EvictResult, FreedSlots, InsertResult
 from .storage import StorageMixin
 from .transfers import BackupOp, LoadOp, TransferMixin
 
-try:  # the lock walks in C (server/tree/_hwalk.c), optional like every native part
+try:  # the match and lock walks in C (server/tree/_hwalk.c), optional like every native part
     from . import _hwalk
 except ImportError:  # pragma: no cover - built by setup.py wherever a C compiler is
     _hwalk = None
