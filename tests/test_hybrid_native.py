@@ -169,5 +169,5 @@ def test_the_native_match_reads_numpy_directly():
     assert m.indices.tolist() == list(range(100, 116))
     assert m.indices.dtype == np.int64 and m.indices.flags.owndata and m.indices.flags.writeable
     paths = hybrid._hwalk.fast_paths()
-    assert all(paths[k] for k in ("numpy_fields", "numpy_new", "result_slots", "counter_slots")), paths
+    assert all(paths[k] for k in ("numpy_fields", "numpy_new", "result_slots", "counter_slots", "hnode_slots")), paths
     assert t.counters.queried_tokens == 32 and t.counters.hit_tokens == 32

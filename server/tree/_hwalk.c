@@ -33,77 +33,32 @@
 #include <string.h>
 #include <structmember.h>
 
-static PyObject *s_counters, *s_queried, *s_hits;
-static PyObject *s_children, *s_key, *s_parent, *s_atime, *s_swa, *s_n, *s_mamba, *s_full, *s_lock, *s_slock, *s_suuid,
-    *s_id, *s_sprev, *s_snext, *s_mprev, *s_mnext, *s_clock;
+static PyObject *s_counters, *s_clock;
 
-/* HNode's __slots__ are read and written at their offsets (what their member descriptors do, without the
- * attribute lookup); any other object, or a slot left unset, goes through the generic attribute protocol. */
-enum { K_CHILDREN, K_KEY, K_PARENT, K_ATIME, K_SWA, K_N, K_MAMBA, K_FULL, K_LOCK, K_SLOCK, K_SUUID, K_ID, K_SPREV, K_SNEXT, K_MPREV,
-       K_MNEXT, K_SLOTS };
-static PyObject **slot_names[K_SLOTS] = {&s_children, &s_key, &s_parent, &s_atime, &s_swa, &s_n, &s_mamba, &s_full,
-                                         &s_lock, &s_slock, &s_suuid, &s_id, &s_sprev, &s_snext, &s_mprev,
-                                         &s_mnext};
-static PyTypeObject *node_type;
-static Py_ssize_t slot_at[K_SLOTS];
+/* A type's __slots__, read and written at their offsets (what their member descriptors do, without the attribute
+ * lookup), learned from the first instance of it seen; any other object, or a slot left unset, goes through the
+ * generic attribute protocol by name. */
+#define MAX_FIELDS 16
+typedef struct {
+    const char *const *cnames;
+    int n;
+    PyObject *names[MAX_FIELDS];  /* interned at import */
+    PyTypeObject *tp;
+    Py_ssize_t off[MAX_FIELDS];
+} Layout;
 
-static void learn_slots(PyTypeObject *tp) {
-    if (node_type != NULL || !(tp->tp_flags & Py_TPFLAGS_HEAPTYPE) || tp->tp_dict == NULL)
-        return;
-    for (int k = 0; k < K_SLOTS; k++) {
-        PyObject *d = PyDict_GetItemWithError(tp->tp_dict, *slot_names[k]);
+static int layout_of(Layout *lay, PyTypeObject *tp) {  /* 1: the offsets are known */
+    if (lay->tp == tp)
+        return 1;
+    if (lay->tp != NULL || !(tp->tp_flags & Py_TPFLAGS_HEAPTYPE) || tp->tp_dict == NULL)
+        return 0;
+    for (int k = 0; k < lay->n; k++) {
+        PyObject *d = PyDict_GetItemWithError(tp->tp_dict, lay->names[k]);
         if (d == NULL || Py_TYPE(d) != &PyMemberDescr_Type ||
             ((PyMemberDescrObject *)d)->d_member->type != T_OBJECT_EX) {
             PyErr_Clear();
-            return;
-        }
-        slot_at[k] = ((PyMemberDescrObject *)d)->d_member->offset;
-    }
-    Py_INCREF(tp);
-    node_type = tp;
-}
-
-static inline PyObject *nget(PyObject *obj, int k) {  /* a new reference */
-    if (Py_TYPE(obj) == node_type) {
-        PyObject *v = *(PyObject **)((char *)obj + slot_at[k]);
-        if (v != NULL) {
-            Py_INCREF(v);
-            return v;
-        }
-    }
-    return PyObject_GetAttr(obj, *slot_names[k]);
-}
-
-static inline int nset(PyObject *obj, int k, PyObject *v) {
-    if (Py_TYPE(obj) == node_type) {
-        PyObject **at = (PyObject **)((char *)obj + slot_at[k]), *old = *at;
-        Py_INCREF(v);
-        *at = v;
-        Py_XDECREF(old);
-        return 0;
-    }
-    return PyObject_SetAttr(obj, *slot_names[k], v);
-}
-
-/* The __slots__ offsets of one more type (the result, the tree's counters), learned from its first instance as for
- * HNode; another type goes through the generic protocols. */
-typedef struct {
-    PyTypeObject *tp;
-    int tried;
-    Py_ssize_t off[8];
-} Layout;
-
-static int layout_of(Layout *lay, PyTypeObject *tp, const char *const *names, int n) {  /* 1: offsets known */
-    if (lay->tp == tp)
-        return 1;
-    if (lay->tried || !(tp->tp_flags & Py_TPFLAGS_HEAPTYPE) || tp->tp_dict == NULL)
-        return 0;
-    lay->tried = 1;
-    for (int k = 0; k < n; k++) {
-        PyObject *d = PyDict_GetItemString(tp->tp_dict, names[k]);
-        if (d == NULL || Py_TYPE(d) != &PyMemberDescr_Type ||
-            ((PyMemberDescrObject *)d)->d_member->type != T_OBJECT_EX)
             return 0;
+        }
         lay->off[k] = ((PyMemberDescrObject *)d)->d_member->offset;
     }
     Py_INCREF(tp);
@@ -112,6 +67,53 @@ static int layout_of(Layout *lay, PyTypeObject *tp, const char *const *names, in
 }
 
 static inline PyObject **at(PyObject *obj, Py_ssize_t off) { return (PyObject **)((char *)obj + off); }
+
+static inline PyObject *lget(const Layout *lay, PyObject *obj, int k) {  /* a new reference */
+    if (Py_TYPE(obj) == lay->tp) {
+        PyObject *v = *at(obj, lay->off[k]);
+        if (v != NULL) {
+            Py_INCREF(v);
+            return v;
+        }
+    }
+    return PyObject_GetAttr(obj, lay->names[k]);
+}
+
+static inline int lset(const Layout *lay, PyObject *obj, int k, PyObject *v) {  /* v borrowed */
+    if (Py_TYPE(obj) == lay->tp) {
+        PyObject **slot = at(obj, lay->off[k]), *old = *slot;
+        Py_INCREF(v);
+        *slot = v;
+        Py_XDECREF(old);
+        return 0;
+    }
+    return PyObject_SetAttr(obj, lay->names[k], v);
+}
+
+static int ladd(const Layout *lay, PyObject *obj, int k, Py_ssize_t delta, Py_ssize_t *now) {  /* obj.<k> += delta */
+    PyObject *v = lget(lay, obj, k);
+    if (v == NULL)
+        return -1;
+    Py_ssize_t was = PyLong_AsSsize_t(v);
+    Py_DECREF(v);
+    if (was == -1 && PyErr_Occurred())
+        return -1;
+    *now = was + delta;
+    PyObject *w = PyLong_FromSsize_t(*now);
+    int r = w == NULL ? -1 : lset(lay, obj, k, w);
+    Py_XDECREF(w);
+    return r;
+}
+
+/* HNode (server/tree/hybrid.py) */
+enum { K_CHILDREN, K_KEY, K_PARENT, K_ATIME, K_SWA, K_N, K_MAMBA, K_FULL, K_LOCK, K_SLOCK, K_SUUID, K_ID, K_SPREV,
+       K_SNEXT, K_MPREV, K_MNEXT, K_SLOTS };
+static const char *const node_names[K_SLOTS] = {"children", "key", "parent", "atime", "swa", "n", "mamba", "full",
+                                                "lock", "slock", "suuid", "id", "sprev", "snext", "mprev", "mnext"};
+static Layout node_layout = {node_names, K_SLOTS};
+#define nget(obj, k) lget(&node_layout, (obj), (k))
+#define nset(obj, k, v) lset(&node_layout, (obj), (k), (v))
+#define learn_slots(tp) layout_of(&node_layout, (tp))
 
 /* numpy's array struct (PyArrayObject_fields, the same in numpy 1.x and 2.x) up to its flags; read directly once the
  * first ndarray seen has shown the same data, length and item kind through the buffer protocol. */
@@ -554,51 +556,26 @@ static int concat_impl(const Path *path, Py_ssize_t limit, char *out, Py_ssize_t
     return 0;
 }
 
-static Layout counters_layout, result_layout;
 static const char *const counter_names[] = {"queried_tokens", "hit_tokens", "host_hit_tokens"};
-static PyObject *s_host_hits;
+static Layout counters_layout = {counter_names, 3};
 static const char *const result_names[] = {"indices", "matched_len", "node_id", "full_hit_len", "swa_branching_seqlen",
                                            "mamba_branching_seqlen", "mamba_src"};
+static Layout result_layout = {result_names, 7};
 
 /* counters.<k-th of counter_names> += delta */
 static int counter_add(PyObject *counters, int k, Py_ssize_t delta) {
-    int fast = layout_of(&counters_layout, Py_TYPE(counters), counter_names, 3);
-    PyObject *name = k == 2 ? s_host_hits : k ? s_hits : s_queried, *v = fast ? *at(counters, counters_layout.off[k]) : NULL, *w = NULL;
-    if (v != NULL)
-        Py_INCREF(v);
-    else if ((v = PyObject_GetAttr(counters, name)) == NULL)
-        return -1;
-    Py_ssize_t was = PyLong_Check(v) ? PyLong_AsSsize_t(v) : -1;
-    if (was >= 0 && was <= PY_SSIZE_T_MAX - delta) {
-        w = PyLong_FromSsize_t(was + delta);
-    } else {  /* not a small int: Python's own + */
-        PyErr_Clear();
-        PyObject *d = PyLong_FromSsize_t(delta);
-        if (d != NULL)
-            w = PyNumber_Add(v, d);
-        Py_XDECREF(d);
-    }
-    Py_DECREF(v);
-    if (w == NULL)
-        return -1;
-    if (fast) {
-        PyObject **slot = at(counters, counters_layout.off[k]), *old = *slot;
-        *slot = w;
-        Py_XDECREF(old);
-        return 0;
-    }
-    int r = PyObject_SetAttr(counters, name, w);
-    Py_DECREF(w);
-    return r;
+    Py_ssize_t now;
+    layout_of(&counters_layout, Py_TYPE(counters));
+    return ladd(&counters_layout, counters, k, delta, &now);
 }
 
 /* cls(*res) (res: n new references, all stolen); a slots class with these field names is filled in place. */
-static PyObject *make_result(Layout *lay, const char *const *names, PyObject *cls, PyObject **res, int n) {
+static PyObject *make_result(Layout *lay, PyObject *cls, PyObject **res, int n) {
     PyObject *out = NULL;
     int ok = 1;
     for (int i = 0; i < n; i++)
         ok &= res[i] != NULL;
-    if (ok && PyType_Check(cls) && layout_of(lay, (PyTypeObject *)cls, names, n)) {
+    if (ok && PyType_Check(cls) && lay->n == n && layout_of(lay, (PyTypeObject *)cls)) {
         PyTypeObject *tp = (PyTypeObject *)cls;
         if ((out = tp->tp_alloc(tp, 0)) != NULL) {
             for (int i = 0; i < n; i++) {
@@ -754,7 +731,7 @@ static PyObject *match(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssiz
         res[6] = PyLong_FromLong(-1);
     }
     indices = NULL;  /* res[0] */
-    out = make_result(&result_layout, result_names, PyTuple_GET_ITEM(ctx, 0), res, 7);
+    out = make_result(&result_layout, PyTuple_GET_ITEM(ctx, 0), res, 7);
 done:
     Py_XDECREF(indices);
     Py_XDECREF(counters);
@@ -763,14 +740,11 @@ done:
     return out;
 }
 
-static int add_to(PyObject *node, int k, Py_ssize_t delta, Py_ssize_t *was) {
-    PyObject *v = NULL;
-    if (attr_ssize(node, k, was) < 0 || (v = PyLong_FromSsize_t(*was + delta)) == NULL || nset(node, k, v) < 0) {
-        Py_XDECREF(v);
-        return -1;
-    }
-    Py_DECREF(v);
-    return 0;
+static int add_to(PyObject *node, int k, Py_ssize_t delta, Py_ssize_t *was) {  /* *was: the value before */
+    Py_ssize_t now;
+    int r = ladd(&node_layout, node, k, delta, &now);
+    *was = now - delta;
+    return r;
 }
 
 /* 1 and a new reference to node's parent, 0 at a root (no parent), -1 on error. */
@@ -915,42 +889,9 @@ fail:
 enum { FN_PARENT, FN_LOCK, FN_VALUE, FN_DVER, FN_CHILDREN, FN_KEY, FN_ID, FN_ATIME, FN_SLOTS };
 static const char *const full_names[FN_SLOTS] = {"parent", "lock_ref", "value", "dver", "children", "key", "id",
                                                  "last_access"};
-static PyObject *full_attr[FN_SLOTS];
-static Layout full_layout;
-
-static inline PyObject *fget(PyObject *obj, int k) {  /* a new reference */
-    if (Py_TYPE(obj) == full_layout.tp) {
-        PyObject *v = *at(obj, full_layout.off[k]);
-        if (v != NULL) {
-            Py_INCREF(v);
-            return v;
-        }
-    }
-    return PyObject_GetAttr(obj, full_attr[k]);
-}
-
-static int fnode_add(PyObject *obj, int k, Py_ssize_t delta, Py_ssize_t *now) {  /* obj.<k> += delta */
-    PyObject *v = fget(obj, k);
-    if (v == NULL)
-        return -1;
-    Py_ssize_t was = PyLong_AsSsize_t(v);
-    Py_DECREF(v);
-    if (was == -1 && PyErr_Occurred())
-        return -1;
-    *now = was + delta;
-    PyObject *w = PyLong_FromSsize_t(*now);
-    if (w == NULL)
-        return -1;
-    if (Py_TYPE(obj) == full_layout.tp) {
-        PyObject **slot = at(obj, full_layout.off[k]), *old = *slot;
-        *slot = w;
-        Py_XDECREF(old);
-        return 0;
-    }
-    int r = PyObject_SetAttr(obj, full_attr[k], w);
-    Py_DECREF(w);
-    return r;
-}
+static Layout full_layout = {full_names, FN_SLOTS};
+#define fget(obj, k) lget(&full_layout, (obj), (k))
+#define fnode_add(obj, k, delta, now) ladd(&full_layout, (obj), (k), (delta), (now))
 
 static Py_ssize_t value_tokens(PyObject *node) {  /* len(node.value) >> 2: packed int32 slots */
     PyObject *v = fget(node, FN_VALUE);
@@ -971,7 +912,7 @@ static PyObject *full_lock(PyObject *Py_UNUSED(self), PyObject *const *args, Py_
         PyErr_SetString(PyExc_TypeError, "full_lock(node, leaves: set)");
         return NULL;
     }
-    layout_of(&full_layout, Py_TYPE(args[0]), full_names, FN_SLOTS);
+    layout_of(&full_layout, Py_TYPE(args[0]));
     PyObject *node = args[0], *leaves = args[1];
     Py_INCREF(node);
     Py_ssize_t newly = 0, lock, ver;
@@ -1020,7 +961,7 @@ static PyObject *full_unlock(PyObject *Py_UNUSED(self), PyObject *const *args, P
         PyErr_SetString(PyExc_TypeError, "full_unlock(node)");
         return NULL;
     }
-    layout_of(&full_layout, Py_TYPE(args[0]), full_names, FN_SLOTS);
+    layout_of(&full_layout, Py_TYPE(args[0]));
     PyObject *node = args[0], *root = Py_None;
     Py_INCREF(node);
     Py_ssize_t freed = 0, lock;
@@ -1056,16 +997,8 @@ fail:
 }
 
 static int fnode_set(PyObject *obj, int k, PyObject *v) {  /* steals v */
-    if (v == NULL)
-        return -1;
-    if (Py_TYPE(obj) == full_layout.tp) {
-        PyObject **slot = at(obj, full_layout.off[k]), *old = *slot;
-        *slot = v;
-        Py_XDECREF(old);
-        return 0;
-    }
-    int r = PyObject_SetAttr(obj, full_attr[k], v);
-    Py_DECREF(v);
+    int r = v == NULL ? -1 : lset(&full_layout, obj, k, v);
+    Py_XDECREF(v);
     return r;
 }
 
@@ -1087,8 +1020,8 @@ static int full_refresh(PyObject *tree, PyObject *node) {
     return 0;
 }
 
-static Layout match_layout;
 static const char *const match_names[] = {"indices", "matched_len", "host_hit_len", "node_id", "best_node_id"};
+static Layout match_layout = {match_names, 5};
 
 /* full_match(tree, root, key, page_bytes, ctx) -> MatchResult, or NotImplemented for a key to pack first.
  * RadixTree.match_prefix after finding the namespace's root (a tree without bigram keys): the walk (an edge the key
@@ -1101,7 +1034,7 @@ static PyObject *full_match(PyObject *Py_UNUSED(self), PyObject *const *args, Py
         return NULL;
     }
     PyObject *tree = args[0], *root = args[1], *ctx = args[4];
-    layout_of(&full_layout, Py_TYPE(root), full_names, FN_SLOTS);
+    layout_of(&full_layout, Py_TYPE(root));
     Py_ssize_t pb = PyLong_AsSsize_t(args[3]), page = PyLong_AsSsize_t(PyTuple_GET_ITEM(ctx, 4));
     if (PyErr_Occurred())
         return NULL;
@@ -1232,7 +1165,7 @@ static PyObject *full_match(PyObject *Py_UNUSED(self), PyObject *const *args, Py
     PyObject *res[5] = {indices, PyLong_FromSsize_t(dev_off / 4), PyLong_FromSsize_t((off - dev_off) / 4),
                         fget(dev, FN_ID), fget(node, FN_ID)};
     indices = NULL;
-    out = make_result(&match_layout, match_names, PyTuple_GET_ITEM(ctx, 0), res, 5);
+    out = make_result(&match_layout, PyTuple_GET_ITEM(ctx, 0), res, 5);
 done:
     int64_release(&key);
     Py_XDECREF(counters);
@@ -1242,10 +1175,11 @@ done:
 }
 
 static PyObject *fast_paths(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(args)) {
-    return Py_BuildValue("{sOsOsOsOsOsO}", "numpy_fields", np_type ? Py_True : Py_False, "numpy_new",
+    return Py_BuildValue("{sOsOsOsOsOsOsO}", "numpy_fields", np_type ? Py_True : Py_False, "numpy_new",
                          np_new ? Py_True : Py_False, "result_slots", result_layout.tp ? Py_True : Py_False,
                          "counter_slots", counters_layout.tp ? Py_True : Py_False, "match_slots",
-                         match_layout.tp ? Py_True : Py_False, "node_slots", full_layout.tp ? Py_True : Py_False);
+                         match_layout.tp ? Py_True : Py_False, "node_slots", full_layout.tp ? Py_True : Py_False,
+                         "hnode_slots", node_layout.tp ? Py_True : Py_False);
 }
 
 static PyMethodDef methods[] = {
@@ -1255,7 +1189,8 @@ static PyMethodDef methods[] = {
      "RadixTree._dunlock's walk: (tokens whose lock went 1 -> 0, the root if its lock did, else None)."},
     {"full_match", (PyCFunction)(void (*)(void))full_match, METH_FASTCALL,
      "RadixTree.match_prefix after its root: walk, split, counters, ticks, refresh, the device slots."},
-    {"fast_paths", fast_paths, METH_NOARGS, "Which fast paths this process proved: numpy's fields and constructor, the result's and counters' slots."},
+    {"fast_paths", fast_paths, METH_NOARGS,
+     "Which fast paths this process proved: numpy's fields and constructor, each known type's slots."},
     {"match", (PyCFunction)(void (*)(void))match, METH_FASTCALL, "HybridTree.match_prefix's walk and refresh."},
     {"lock_path", (PyCFunction)(void (*)(void))lock_path, METH_FASTCALL,
      "A FULL lock on node's path (delta 1) or its release (-1): the tokens whose lock went 0 -> 1 or 1 -> 0."},
@@ -1270,20 +1205,13 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_hwalk", "The radix 
                                     methods};
 
 PyMODINIT_FUNC PyInit__hwalk(void) {
-    const char *names[] = {"children", "key", "parent", "atime", "swa", "n", "mamba", "full", "lock", "slock", "suuid",
-                           "id", "sprev", "snext", "mprev", "mnext", "_clock", "counters", "queried_tokens", "hit_tokens"};
-    PyObject **slots[] = {&s_children, &s_key, &s_parent, &s_atime, &s_swa, &s_n, &s_mamba, &s_full, &s_lock,
-                          &s_slock, &s_suuid, &s_id, &s_sprev, &s_snext, &s_mprev, &s_mnext, &s_clock, &s_counters,
-                          &s_queried, &s_hits};  /* interned */
-    if ((s_host_hits = PyUnicode_InternFromString("host_hit_tokens")) == NULL)
+    Layout *layouts[] = {&node_layout, &full_layout, &counters_layout, &result_layout, &match_layout};
+    for (size_t i = 0; i < sizeof(layouts) / sizeof(layouts[0]); i++)
+        for (int k = 0; k < layouts[i]->n; k++)
+            if ((layouts[i]->names[k] = PyUnicode_InternFromString(layouts[i]->cnames[k])) == NULL)
+                return NULL;
+    if ((s_counters = PyUnicode_InternFromString("counters")) == NULL ||
+        (s_clock = PyUnicode_InternFromString("_clock")) == NULL)
         return NULL;
-    for (int k = 0; k < FN_SLOTS; k++)
-        if ((full_attr[k] = PyUnicode_InternFromString(full_names[k])) == NULL)
-            return NULL;
-    for (int i = 0; i < (int)(sizeof(slots) / sizeof(slots[0])); i++) {
-        *slots[i] = PyUnicode_InternFromString(names[i]);
-        if (*slots[i] == NULL)
-            return NULL;
-    }
     return PyModule_Create(&module);
 }
