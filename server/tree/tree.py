@@ -679,27 +679,8 @@ class RadixTree(TransferMixin, StorageMixin):
         """
         node = self._node(node_id)
         receipt = self._mint()
-        if node.value is not None and self._walk is not None:  # the common case: one walk in C
-            newly = self._walk.full_lock(node, self._leaves)
-            self.evictable_size -= newly
-            self.protected_size += newly
-            self._receipts[receipt] = (node, None)
-            return receipt
-        if node.value is not None:  # the same, in Python
-            newly = 0
-            walker = node
-            leaves = self._leaves
-            while walker.parent is not None:
-                if walker.lock_ref == 0:
-                    newly += len(walker.value) >> 2
-                    if walker in leaves:
-                        leaves.discard(walker)
-                        walker.dver += 1
-                walker.lock_ref += 1
-                walker = walker.parent
-            walker.lock_ref += 1
-            self.evictable_size -= newly
-            self.protected_size += newly
+        if node.value is not None:  # the common case: the device walk alone
+            self._dlock(node)
             self._receipts[receipt] = (node, None)
             return receipt
         dev = node
