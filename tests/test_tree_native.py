@@ -1,4 +1,4 @@
-"""The plain tree's match and lock walks in C (server/tree/_hwalk.c: full_match, full_lock, full_unlock) against
+"""The plain tree's walks in C (server/tree/_hwalk.c: full_match, full_descend, full_lock, full_unlock) against
 their Python reference (RadixTree(native=False)): two trees, the same random operations, the whole state equal after
 every step."""
 from __future__ import annotations
@@ -18,8 +18,8 @@ def snapshot(t: RadixTree) -> dict:
     """Everything a lock walk can touch: every node's locks, heap version and place, the leaf set, the heap, the
     sizes, the roots."""
     return dict(
-        nodes={nid: (n.key, n.value, n.lock_ref, n.dver, n.parent.id if n.parent else None, n.last_access)
-               for nid, n in t._nodes.items()},
+        nodes={nid: (n.key, n.value, n.lock_ref, n.dver, n.parent.id if n.parent else None, n.last_access,
+                     n.hit_count, n.priority) for nid, n in t._nodes.items()},
         leaves=sorted(n.id for n in t._leaves),
         heap=sorted((e[1], e[2], e[3].id) for e in t._heap),
         sizes=(t.evictable_size, t.protected_size),
@@ -47,8 +47,11 @@ def test_native_and_python_lock_walks_agree_step_by_step(page, policy):
         if op == "insert":
             vals = np.arange(slot, slot + n, dtype=np.int32)
             slot += n
-            out = [t.insert(toks, vals, ns) for t in pair]
+            kw = dict(priority=rng.randrange(3), chunked=rng.random() < 0.2)
+            out = [t.insert(toks, vals, ns, **kw) for t in pair]
             assert out[0].duplicates.tolist() == out[1].duplicates.tolist()
+            assert [(o.prefix_len, o.node_id, o.adopted_len, o.tail.tolist()) for o in out] == \
+                [(o.prefix_len, o.node_id, o.adopted_len, o.tail.tolist()) for o in out[::-1]]
         elif op in ("match", "lock"):
             ms = [t.match_prefix(toks, ns) for t in pair]
             assert ms[0].indices.tolist() == ms[1].indices.tolist() and ms[0].node_id == ms[1].node_id
@@ -83,4 +86,12 @@ def test_native_lock_walks_refuse_bad_arguments():
         tree_mod._hwalk.full_unlock(node, 1)
     with pytest.raises(AttributeError):
         tree_mod._hwalk.full_lock(object(), set())
+    root = t._roots[("", "")]
+    with pytest.raises(ValueError):  # more bytes than the key holds
+        tree_mod._hwalk.full_descend(t, root, np.arange(3, dtype=np.int32), 16, 4)
+    with pytest.raises(ValueError):  # not whole pages
+        tree_mod._hwalk.full_descend(t, root, np.arange(3, dtype=np.int32), 6, 4)
+    assert tree_mod._hwalk.full_descend(t, root, [1, 2], 8, 4) is NotImplemented  # a list is packed first
+    assert tree_mod._hwalk.key_tokens(b"\0" * 12) == 3 and tree_mod._hwalk.key_tokens([1]) == -1
+    assert tree_mod._hwalk.key_tokens(np.arange(3, dtype=np.int64)) == -1  # int64: packed (range-checked) first
     assert t.check() == []

@@ -24,8 +24,9 @@
  * (server/tree/components/base.py), a list threaded through the nodes' sprev/snext or mprev/mnext slots.
  * The plain tree (server/tree/tree.py, its Node in node.py):
  * full_match(tree, root, key, page_bytes, ctx) -> MatchResult, or NotImplemented for a key to pack first
+ * full_descend(tree, root, key, n, page_bytes) -> (path, tail), key_tokens(key) -> int
  * full_lock(node, leaves) -> tokens, full_unlock(node) -> (tokens, root or None)
- *     RadixTree.match_prefix after its root, and the device lock walks (see each function).
+ *     RadixTree.match_prefix after its root, insert's descent, and the device lock walks (see each function).
  * numpy's array fields and constructor are used directly once they have proven themselves (int64_view, np_api).
  */
 #define PY_SSIZE_T_CLEAN
@@ -33,7 +34,9 @@
 #include <string.h>
 #include <structmember.h>
 
-static PyObject *s_counters, *s_clock;
+static PyObject *s_counters, *s_clock, *s_tick, *s_leaves, *s_hleaves, *s_heap, *s_hheap, *s_heap_seq, *s_key_of,
+    *s_compact, *s_dver, *s_hver;
+static PyObject *heappush;  /* _heapq.heappush */
 
 /* A type's __slots__, read and written at their offsets (what their member descriptors do, without the attribute
  * lookup), learned from the first instance of it seen; any other object, or a slot left unset, goes through the
@@ -886,9 +889,9 @@ fail:
 }
 
 /* ---- the plain (FULL-only) tree's lock walks: RadixTree's Node (server/tree/node.py), through its slots ---- */
-enum { FN_PARENT, FN_LOCK, FN_VALUE, FN_DVER, FN_CHILDREN, FN_KEY, FN_ID, FN_ATIME, FN_SLOTS };
+enum { FN_PARENT, FN_LOCK, FN_VALUE, FN_DVER, FN_CHILDREN, FN_KEY, FN_ID, FN_ATIME, FN_LOADING, FN_HVER, FN_SLOTS };
 static const char *const full_names[FN_SLOTS] = {"parent", "lock_ref", "value", "dver", "children", "key", "id",
-                                                 "last_access"};
+                                                 "last_access", "loading", "hver"};
 static Layout full_layout = {full_names, FN_SLOTS};
 #define fget(obj, k) lget(&full_layout, (obj), (k))
 #define fnode_add(obj, k, delta, now) ladd(&full_layout, (obj), (k), (delta), (now))
@@ -1002,22 +1005,193 @@ static int fnode_set(PyObject *obj, int k, PyObject *v) {  /* steals v */
     return r;
 }
 
-/* RadixTree._refresh: a leaf (device, else host) whose policy key changed is pushed again. */
-static int full_refresh(PyObject *tree, PyObject *node) {
-    static const char *const sets[2] = {"_leaves", "_hleaves"}, *const adds[2] = {"_add_leaf", "_add_hleaf"};
-    for (int i = 0; i < 2; i++) {
-        PyObject *leaves = PyObject_GetAttrString(tree, sets[i]);
+/* tree.<name> += 1; the new value into *now. */
+static int tree_bump(PyObject *tree, PyObject *name, Py_ssize_t *now) {
+    PyObject *v = PyObject_GetAttr(tree, name);
+    Py_ssize_t x = v ? PyLong_AsSsize_t(v) : -1;
+    Py_XDECREF(v);
+    if (x == -1 && PyErr_Occurred())
+        return -1;
+    v = PyLong_FromSsize_t(*now = x + 1);
+    int r = v == NULL ? -1 : PyObject_SetAttr(tree, name, v);
+    Py_XDECREF(v);
+    return r;
+}
+
+/* RadixTree._refresh: a leaf (device, else host) whose policy key changed is pushed again, as _add_leaf and
+ * _add_hleaf do (its version bumped, so the old entry goes stale; the heap compacted by tree._compact once past
+ * slack x live + floor: ctx's last two). */
+static int full_refresh(PyObject *tree, PyObject *node, PyObject *ctx) {
+    for (int host = 0; host < 2; host++) {
+        PyObject *leaves = PyObject_GetAttr(tree, host ? s_hleaves : s_leaves);
         int in = leaves == NULL ? -1 : PySet_Contains(leaves, node);
-        Py_XDECREF(leaves);
-        if (in < 0)
-            return -1;
-        if (in) {
-            PyObject *r = PyObject_CallMethod(tree, adds[i], "O", node);
-            Py_XDECREF(r);
-            return r == NULL ? -1 : 0;
+        if (in <= 0) {
+            Py_XDECREF(leaves);
+            if (in < 0)
+                return -1;
+            continue;
         }
+        Py_ssize_t ver, seq, n = PyTuple_GET_SIZE(ctx);
+        Py_ssize_t slack = PyLong_AsSsize_t(PyTuple_GET_ITEM(ctx, n - 2)), floor = PyLong_AsSsize_t(PyTuple_GET_ITEM(ctx, n - 1));
+        PyObject *key_of = NULL, *key = NULL, *entry = NULL, *heap = NULL, *r = NULL;
+        int ok = -1;
+        if (PyErr_Occurred() || ladd(&full_layout, node, host ? FN_HVER : FN_DVER, 1, &ver) < 0 ||
+            tree_bump(tree, s_heap_seq, &seq) < 0 || (key_of = PyObject_GetAttr(tree, s_key_of)) == NULL ||
+            (key = PyObject_CallOneArg(key_of, node)) == NULL ||
+            (entry = Py_BuildValue("(OnnO)", key, seq, ver, node)) == NULL ||
+            (heap = PyObject_GetAttr(tree, host ? s_hheap : s_heap)) == NULL)
+            goto out;
+        if (!PyList_Check(heap)) {
+            PyErr_SetString(PyExc_TypeError, "refresh: a leaf heap must be a list");
+            goto out;
+        }
+        if ((r = PyObject_CallFunctionObjArgs(heappush, heap, entry, NULL)) == NULL)
+            goto out;
+        Py_DECREF(r);
+        r = NULL;
+        if (PyList_GET_SIZE(heap) > slack * PySet_GET_SIZE(leaves) + floor &&
+            (r = PyObject_CallMethodObjArgs(tree, s_compact, heap, leaves, host ? s_hver : s_dver, NULL)) == NULL)
+            goto out;
+        ok = 0;
+    out:
+        Py_XDECREF(r);
+        Py_XDECREF(heap);
+        Py_XDECREF(entry);
+        Py_XDECREF(key);
+        Py_XDECREF(key_of);
+        Py_DECREF(leaves);
+        return ok;
     }
     return 0;
+}
+
+/* RadixTree's descent along the whole pages of kb[:n]: each whole edge onto path (ntok: its key bytes); an edge the
+ * key leaves inside is split through tree._split and its upper part ends the path. With stop_loading (insert), a
+ * host-only node being loaded back ends the walk before it (*stopped): that part is the load's to fill. Returns the
+ * bytes walked, or -1. */
+static Py_ssize_t fdescend(PyObject *tree, PyObject *root, const char *kb, Py_ssize_t n, Py_ssize_t pb,
+                           Py_ssize_t page, Path *path, int stop_loading, int *stopped) {
+    PyObject *node = root;  /* borrowed: root, then the path's last node */
+    Py_ssize_t off = 0;
+    *stopped = 0;
+    while (off < n) {
+        PyObject *children = fget(node, FN_CHILDREN);
+        if (children == NULL)
+            return -1;
+        if (!PyDict_Check(children)) {
+            Py_DECREF(children);
+            PyErr_SetString(PyExc_TypeError, "descend: children must be a dict");
+            return -1;
+        }
+        PyObject *child = find_child(children, kb + off, pb);
+        Py_DECREF(children);
+        if (child == NULL)
+            return PyErr_Occurred() ? -1 : off;
+        PyObject *ck = fget(child, FN_KEY);
+        if (ck == NULL || !PyBytes_Check(ck)) {
+            Py_XDECREF(ck);
+            Py_DECREF(child);
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_TypeError, "descend: a node's key must be bytes");
+            return -1;
+        }
+        Py_ssize_t cl = PyBytes_GET_SIZE(ck), step = cl;
+        const char *a = PyBytes_AS_STRING(ck);
+        int whole = off + cl <= n && cl >= pb && memcmp(a + pb, kb + off + pb, (size_t)(cl - pb)) == 0;
+        if (!whole) {  /* page-aligned common prefix (the first page is equal: the dict's key), then split there */
+            Py_ssize_t ntok = (cl < n - off ? cl : n - off) / 4, i = pb / 4;
+            while (i < ntok && memcmp(a + 4 * i, kb + off + 4 * i, 4) == 0)
+                i++;
+            step = (i - i % page) * 4;
+            Py_DECREF(ck);
+            PyObject *upper = PyObject_CallMethod(tree, "_split", "On", child, step);  /* rare: by name */
+            Py_DECREF(child);
+            if (upper == NULL)
+                return -1;
+            child = upper;
+        } else {
+            Py_DECREF(ck);
+        }
+        if (stop_loading) {
+            PyObject *v = fget(child, FN_VALUE), *ld = v == Py_None ? fget(child, FN_LOADING) : NULL;
+            int busy = ld == NULL ? 0 : PyObject_IsTrue(ld);
+            Py_XDECREF(ld);
+            Py_XDECREF(v);
+            if (v == NULL || busy < 0 || (v == Py_None && ld == NULL)) {
+                Py_DECREF(child);
+                return -1;
+            }
+            if (busy) {
+                Py_DECREF(child);
+                *stopped = 1;
+                return off;
+            }
+        }
+        if (path_push(path, child, step) < 0)
+            return -1;
+        off += step;
+        node = child;
+        if (!whole)
+            break;
+    }
+    return off;
+}
+
+/* full_descend(tree, root, key, n, page_bytes) -> (path, tail) or NotImplemented for a key to pack first.
+ * RadixTree.insert's descent (fdescend with stop_loading) along key's first n bytes (whole pages); tail: the key's
+ * bytes past the walk, packed for a new leaf, or None (walked to the end, or stopped by a load). */
+static PyObject *full_descend(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "full_descend(tree, root, key, n, page_bytes)");
+        return NULL;
+    }
+    PyObject *tree = args[0], *root = args[1];
+    layout_of(&full_layout, Py_TYPE(root));
+    Py_ssize_t n = PyLong_AsSsize_t(args[3]), pb = PyLong_AsSsize_t(args[4]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (pb <= 0 || pb % 4) {
+        PyErr_Format(PyExc_ValueError, "full_descend: page of %zd bytes", pb);
+        return NULL;
+    }
+    Py_buffer key;
+    int got = read_key(args[2], &key);
+    if (got <= 0)
+        return got < 0 ? NULL : Py_NewRef(Py_NotImplemented);
+    PyObject *out = NULL, *list = NULL, *tail = NULL;
+    Path path;
+    path_init(&path);
+    if (n < 0 || n > key.len || n % pb) {
+        PyErr_Format(PyExc_ValueError, "full_descend: %zd bytes of a %zd-byte key, pages of %zd", n, key.len, pb);
+        goto done;
+    }
+    int stopped;
+    Py_ssize_t off = fdescend(tree, root, key.buf, n, pb, pb / 4, &path, 1, &stopped);
+    if (off < 0 || (list = PyList_New(path.len)) == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < path.len; i++)
+        PyList_SET_ITEM(list, i, Py_NewRef(path.node[i]));
+    tail = off < n && !stopped ? PyBytes_FromStringAndSize((const char *)key.buf + off, n - off) : Py_NewRef(Py_None);
+    if (tail != NULL)
+        out = PyTuple_Pack(2, list, tail);
+done:
+    int64_release(&key);
+    Py_XDECREF(list);
+    Py_XDECREF(tail);
+    path_free(&path);
+    return out;
+}
+
+/* key_tokens(key) -> tokens in key read in place, or -1: a key full_descend would not read (pack it first). */
+static PyObject *key_tokens(PyObject *Py_UNUSED(self), PyObject *key) {
+    Py_buffer view;
+    int got = read_key(key, &view);
+    if (got < 0)
+        return NULL;
+    Py_ssize_t n = got ? view.len / 4 : -1;
+    if (got)
+        int64_release(&view);
+    return PyLong_FromSsize_t(n);
 }
 
 static const char *const match_names[] = {"indices", "matched_len", "host_hit_len", "node_id", "best_node_id"};
@@ -1026,11 +1200,12 @@ static Layout match_layout = {match_names, 5};
 /* full_match(tree, root, key, page_bytes, ctx) -> MatchResult, or NotImplemented for a key to pack first.
  * RadixTree.match_prefix after finding the namespace's root (a tree without bigram keys): the walk (an edge the key
  * ends inside is split through tree._split), the counters, the path's access ticks, the refresh of the end nodes,
- * the device slots of the path end to end. ctx: (MatchResult, empty, int32 dtype, no slots, page tokens). */
+ * the device slots of the path end to end. ctx: (MatchResult, empty, int32 dtype, no slots, page tokens, heap slack,
+ * heap floor). */
 static PyObject *full_match(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 5 || !PyTuple_Check(args[4]) || PyTuple_GET_SIZE(args[4]) != 5) {
+    if (nargs != 5 || !PyTuple_Check(args[4]) || PyTuple_GET_SIZE(args[4]) != 7) {
         PyErr_SetString(PyExc_TypeError, "full_match(tree, root, key, page_bytes, ctx: (result_type, empty, int32, "
-                                         "no_slots, page))");
+                                         "no_slots, page, heap_slack, heap_floor))");
         return NULL;
     }
     PyObject *tree = args[0], *root = args[1], *ctx = args[4];
@@ -1053,53 +1228,13 @@ static PyObject *full_match(PyObject *Py_UNUSED(self), PyObject *const *args, Py
     PyObject *out = NULL, *counters = NULL, *indices = NULL, *node = root, *dev = root;  /* borrowed */
     if ((counters = PyObject_GetAttr(tree, s_counters)) == NULL || counter_add(counters, 0, key.len / 4) < 0)
         goto done;
-    while (off < n) {
-        PyObject *children = fget(node, FN_CHILDREN);
-        if (children == NULL)
-            goto done;
-        if (!PyDict_Check(children)) {
-            Py_DECREF(children);
-            PyErr_SetString(PyExc_TypeError, "full_match: children must be a dict");
-            goto done;
-        }
-        PyObject *child = find_child(children, kb + off, pb);
-        Py_DECREF(children);
-        if (child == NULL) {
-            if (PyErr_Occurred())
-                goto done;
-            break;
-        }
-        PyObject *ck = fget(child, FN_KEY);
-        if (ck == NULL || !PyBytes_Check(ck)) {
-            Py_XDECREF(ck);
-            Py_DECREF(child);
-            if (!PyErr_Occurred())
-                PyErr_SetString(PyExc_TypeError, "full_match: a node's key must be bytes");
-            goto done;
-        }
-        Py_ssize_t cl = PyBytes_GET_SIZE(ck);
-        const char *a = PyBytes_AS_STRING(ck);
-        int whole = off + cl <= n && cl >= pb && memcmp(a + pb, kb + off + pb, (size_t)(cl - pb)) == 0;
-        if (!whole) {  /* page-aligned common prefix, then split there */
-            Py_ssize_t ntok = (cl < n - off ? cl : n - off) / 4, i = 0;
-            while (i < ntok && memcmp(a + 4 * i, kb + off + 4 * i, 4) == 0)
-                i++;
-            Py_ssize_t m = (i - i % page) * 4;
-            Py_DECREF(ck);
-            PyObject *upper = PyObject_CallMethod(tree, "_split", "On", child, m);
-            Py_DECREF(child);
-            if (upper == NULL)
-                goto done;
-            child = upper;
-            off += m;
-        } else {
-            Py_DECREF(ck);
-            off += cl;
-        }
-        if (path_push(&path, child, 0) < 0)
-            goto done;
-        node = child;
-        PyObject *v = fget(child, FN_VALUE);
+    int stopped;
+    if ((off = fdescend(tree, root, kb, n, pb, page, &path, 0, &stopped)) < 0)
+        goto done;
+    for (Py_ssize_t i = 0, at = 0; i < path.len; i++) {  /* ntok: key bytes walked, then the node's slot bytes */
+        at += path.ntok[i];
+        path.ntok[i] = 0;
+        PyObject *v = fget(path.node[i], FN_VALUE);
         if (v == NULL)
             goto done;
         if (v != Py_None) {
@@ -1108,19 +1243,19 @@ static PyObject *full_match(PyObject *Py_UNUSED(self), PyObject *const *args, Py
                 PyErr_SetString(PyExc_TypeError, "full_match: a node's value must be packed slots (bytes)");
                 goto done;
             }
-            path.ntok[path.len - 1] = PyBytes_GET_SIZE(v);  /* here: bytes of device slots */
+            path.ntok[i] = PyBytes_GET_SIZE(v);
             total += PyBytes_GET_SIZE(v);
-            dev = child;
-            dev_off = off;
+            dev = path.node[i];
+            dev_off = at;
         }
         Py_DECREF(v);
-        if (!whole)
-            break;
     }
+    if (path.len)
+        node = path.node[path.len - 1];
     if (counter_add(counters, 1, dev_off / 4) < 0 || counter_add(counters, 2, (off - dev_off) / 4) < 0)
         goto done;
     if (path.len) {  /* root to leaf: a child is always newer than its parent (R2.3) */
-        PyObject *tv = PyObject_GetAttrString(tree, "_tick");
+        PyObject *tv = PyObject_GetAttr(tree, s_tick);
         Py_ssize_t tick = tv ? PyLong_AsSsize_t(tv) : -1;
         Py_XDECREF(tv);
         if (tick == -1 && PyErr_Occurred())
@@ -1129,9 +1264,9 @@ static PyObject *full_match(PyObject *Py_UNUSED(self), PyObject *const *args, Py
             if (fnode_set(path.node[i], FN_ATIME, PyLong_FromSsize_t(++tick)) < 0)
                 goto done;
         tv = PyLong_FromSsize_t(tick);
-        int r = tv == NULL ? -1 : PyObject_SetAttrString(tree, "_tick", tv);
+        int r = tv == NULL ? -1 : PyObject_SetAttr(tree, s_tick, tv);
         Py_XDECREF(tv);
-        if (r < 0 || full_refresh(tree, node) < 0 || (dev != node && dev != root && full_refresh(tree, dev) < 0))
+        if (r < 0 || full_refresh(tree, node, ctx) < 0 || (dev != node && dev != root && full_refresh(tree, dev, ctx) < 0))
             goto done;
     }
     if (total == 0) {
@@ -1189,6 +1324,9 @@ static PyMethodDef methods[] = {
      "RadixTree._dunlock's walk: (tokens whose lock went 1 -> 0, the root if its lock did, else None)."},
     {"full_match", (PyCFunction)(void (*)(void))full_match, METH_FASTCALL,
      "RadixTree.match_prefix after its root: walk, split, counters, ticks, refresh, the device slots."},
+    {"full_descend", (PyCFunction)(void (*)(void))full_descend, METH_FASTCALL,
+     "RadixTree.insert's descent: (path, the key's tail for a new leaf or None)."},
+    {"key_tokens", key_tokens, METH_O, "Tokens of a key read in place, or -1 for one to pack first."},
     {"fast_paths", fast_paths, METH_NOARGS,
      "Which fast paths this process proved: numpy's fields and constructor, each known type's slots."},
     {"match", (PyCFunction)(void (*)(void))match, METH_FASTCALL, "HybridTree.match_prefix's walk and refresh."},
@@ -1210,8 +1348,17 @@ PyMODINIT_FUNC PyInit__hwalk(void) {
         for (int k = 0; k < layouts[i]->n; k++)
             if ((layouts[i]->names[k] = PyUnicode_InternFromString(layouts[i]->cnames[k])) == NULL)
                 return NULL;
-    if ((s_counters = PyUnicode_InternFromString("counters")) == NULL ||
-        (s_clock = PyUnicode_InternFromString("_clock")) == NULL)
+    struct { PyObject **at; const char *name; } names[] = {
+        {&s_counters, "counters"}, {&s_clock, "_clock"}, {&s_tick, "_tick"}, {&s_leaves, "_leaves"},
+        {&s_hleaves, "_hleaves"}, {&s_heap, "_heap"}, {&s_hheap, "_hheap"}, {&s_heap_seq, "_heap_seq"},
+        {&s_key_of, "_key_of"}, {&s_compact, "_compact"}, {&s_dver, "dver"}, {&s_hver, "hver"}};
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
+        if ((*names[i].at = PyUnicode_InternFromString(names[i].name)) == NULL)
+            return NULL;
+    PyObject *hq = PyImport_ImportModule("_heapq");
+    heappush = hq ? PyObject_GetAttrString(hq, "heappush") : NULL;
+    Py_XDECREF(hq);
+    if (heappush == NULL)
         return NULL;
     return PyModule_Create(&module);
 }

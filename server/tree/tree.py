@@ -136,7 +136,8 @@ class RadixTree(TransferMixin, StorageMixin):
         self.counters = TreeCounters()
         self._ev: Optional[EventQueue] = EventQueue(events_limit) if events else None
         self._walk = _hwalk if native else None  # match and lock walks in C; None: the Python loops (their reference)
-        self._mctx = (MatchResult, np.empty, np.dtype("<i4"), _EMPTY, page_size)  # what the C match builds with
+        # what the C match builds with, and the lazy heaps' bound it keeps when it re-pushes a leaf
+        self._mctx = (MatchResult, np.empty, np.dtype("<i4"), _EMPTY, page_size, HEAP_SLACK, HEAP_FLOOR)
         self._seeds: dict[Namespace, Optional[bytes]] = {}
         self._hfmt = (self._page_b, self.bigram)  # shared by every lazy digest run (hashes.py)
         self._root(DEFAULT_NS)
@@ -577,39 +578,35 @@ class RadixTree(TransferMixin, StorageMixin):
     def insert(self, tokens: TokenInput, values: TokenInput, namespace: Namespace = DEFAULT_NS,
                prev_prefix_len: int = 0, priority: int = 0, chunked: bool = False) -> InsertResult:
         """Cache tokens -> slots; returns duplicates to free, the tail the caller keeps and backups to run."""
-        kb = self._encode_key(tokens)
+        walk = self._walk if not self.bigram else None
+        kb, isz = tokens, self._isz
+        npos = walk.key_tokens(tokens) if walk is not None else -1  # the C descent reads the key in place
+        if npos < 0:
+            kb = self._encode_key(tokens)
+            npos = len(kb) // isz
         vals = as_int32(values)
-        npos = len(kb) // self._isz
         if len(vals) != npos + (1 if self.bigram and npos else 0) and len(vals) != npos:
             raise InvalidInput(f"{len(vals)} slot indices for {npos} key positions")
         aligned = npos - npos % self.page_size
         if prev_prefix_len < 0 or prev_prefix_len > aligned:
             raise InvalidInput(f"prev_prefix_len {prev_prefix_len} outside [0, {aligned}]")
-        if prev_prefix_len and self._cached_len(kb, namespace) < prev_prefix_len:
+        if prev_prefix_len and self._cached_len(self._encode_key(kb), namespace) < prev_prefix_len:
             raise InvalidInput(f"prev_prefix_len {prev_prefix_len} exceeds the cached prefix")
         root = self._root(namespace, create=aligned > 0)
         if root is None:  # nothing to cache in a namespace never seen: allocate nothing
             return InsertResult(0, self._roots[DEFAULT_NS].id, _EMPTY, 0, vals)
-        node, off, pb, isz, n = root, 0, self._page_b, self._isz, aligned * self._isz
+        pb, n = self._page_b, aligned * isz
+        path, tail = walk.full_descend(self, root, kb, n, pb) if walk is not None else self._descend(root, kb, n)
+        node, off = root, 0
         dups: list[np.ndarray] = []
         dev_end = -1  # byte offset where the device-resident part of the path ended
         unevicted = 0
-        stopped = False
         want_backup: Optional[Node] = None
         thr, through, leaves = self.write_through_threshold, self._through, self._leaves
-        while off < n:
-            child = node.children.get(kb[off:off + pb])
-            if child is None:
-                break
-            ck = child.key
-            if off + len(ck) > n or not kb.startswith(ck, off):
-                child = self._split(child, self._common_bytes(ck, kb, off, n))
+        for child in path:
             length = len(child.key) // isz
             pos = off // isz
             if child.value is None:
-                if child.loading:  # a load-back will fill it: stop, the rest stays with the caller
-                    stopped = True
-                    break
                 if dev_end < 0:
                     dev_end = off
                 self._unevict(child, vals[pos:pos + length].tobytes())
@@ -632,11 +629,10 @@ class RadixTree(TransferMixin, StorageMixin):
             node = child
         if dev_end < 0:
             dev_end = off
-        if off < n and not stopped:
+        if tail is not None:
             pos = off // isz
             # only the slots the tree keeps are packed: a long prompt's cached part is never copied
-            leaf = Node(self._mint(), node, kb[off:n], vals[pos:aligned].tobytes(), self._next_tick(), priority,
-                        namespace)
+            leaf = Node(self._mint(), node, tail, vals[pos:aligned].tobytes(), self._next_tick(), priority, namespace)
             node.children[leaf.key[:pb]] = leaf
             self._nodes[leaf.id] = leaf
             self.evictable_size += aligned - pos  # a new leaf is unlocked even under a locked parent
@@ -655,6 +651,30 @@ class RadixTree(TransferMixin, StorageMixin):
         backups = self._backup_chain(want_backup) if want_backup is not None else ()
         dup = np.concatenate(dups) if dups else _EMPTY  # a copy: never a view of the caller's array
         return InsertResult(dev_end // isz, node.id, dup, adopted, vals[off // isz:], unevicted, backups)
+
+    def _descend(self, root: Node, kb: bytes, n: int) -> tuple[list[Node], Optional[bytes]]:
+        """insert's walk along kb[:n] (_hwalk.full_descend's reference): the path and the key of a new leaf.
+
+        An edge the key leaves inside is split and its upper part ends the path; a host-only node being loaded back
+        ends it before that node (the load will fill it), and then no leaf is made.
+        """
+        node, off, pb, path = root, 0, self._page_b, []
+        while off < n:
+            child = node.children.get(kb[off:off + pb])
+            if child is None:
+                break
+            ck = child.key
+            whole = off + len(ck) <= n and kb.startswith(ck, off)
+            if not whole:
+                child = self._split(child, self._common_bytes(ck, kb, off, n))
+            if child.value is None and child.loading:
+                return path, None
+            path.append(child)
+            off += len(child.key)
+            node = child
+            if not whole:
+                break
+        return path, (kb[off:n] if off < n else None)
 
     def _unevict(self, node: Node, value: bytes) -> None:
         """A host-only node takes the request's fresh device slots (R1.20): it becomes 'both'."""
