@@ -28,10 +28,11 @@ def snapshot(t: RadixTree) -> dict:
     )
 
 
-@pytest.mark.parametrize("page,policy", [(1, "lru"), (4, "slru"), (16, "lfu")])
-def test_native_and_python_lock_walks_agree_step_by_step(page, policy):
+@pytest.mark.parametrize("page,policy,events", [(1, "lru", False), (4, "slru", True), (16, "lfu", False),
+                                                (2, "priority", True)])
+def test_native_and_python_walks_agree_step_by_step(page, policy, events):
     rng = random.Random(page)
-    pair = [RadixTree(page_size=page, policy=policy, native=n) for n in (True, False)]
+    pair = [RadixTree(page_size=page, policy=policy, native=n, events=events) for n in (True, False)]
     assert pair[0]._walk is not None and pair[1]._walk is None
     prompts = [[rng.randrange(5) for _ in range(rng.randrange(2, 12) * page)] for _ in range(10)]
     held: list[int] = []
@@ -68,6 +69,8 @@ def test_native_and_python_lock_walks_agree_step_by_step(page, policy):
             out = [t.evict(want) for t in pair]
             assert out[0].freed.tolist() == out[1].freed.tolist()
         assert snapshot(pair[0]) == snapshot(pair[1]), f"step {step}: {op}"
+        if events:  # the C insert emits its new leaf's STORED event through the same method
+            assert pair[0].take_events() == pair[1].take_events(), f"step {step}: {op}"
         if step % 100 == 0:
             assert pair[0].check() == [] and pair[1].check() == []
     assert pair[0].counters.evicted_tokens_device > 0 and pair[0].protected_size >= 0

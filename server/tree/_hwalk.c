@@ -25,8 +25,10 @@
  * The plain tree (server/tree/tree.py, its Node in node.py):
  * full_match(tree, root, key, page_bytes, ctx) -> MatchResult, or NotImplemented for a key to pack first
  * full_descend(tree, root, key, n, page_bytes) -> (path, tail), key_tokens(key) -> int
+ * full_insert(tree, root, key, vals, n, prev, priority, chunked, ns, ctx) -> InsertResult, or NotImplemented
  * full_lock(node, leaves) -> tokens, full_unlock(node) -> (tokens, root or None)
- *     RadixTree.match_prefix after its root, insert's descent, and the device lock walks (see each function).
+ *     RadixTree.match_prefix after its root, insert's descent (the whole insert without a host tier), and the
+ *     device lock walks (see each function).
  * numpy's array fields and constructor are used directly once they have proven themselves (int64_view, np_api).
  */
 #define PY_SSIZE_T_CLEAN
@@ -35,7 +37,7 @@
 #include <structmember.h>
 
 static PyObject *s_counters, *s_clock, *s_tick, *s_leaves, *s_hleaves, *s_heap, *s_hheap, *s_heap_seq, *s_key_of,
-    *s_compact, *s_dver, *s_hver;
+    *s_compact, *s_dver, *s_hver, *s_tag, *s_serial, *s_nodes, *s_evictable, *s_ev, *s_stored, *s_page_b;
 static PyObject *heappush;  /* _heapq.heappush */
 
 /* A type's __slots__, read and written at their offsets (what their member descriptors do, without the attribute
@@ -889,9 +891,10 @@ fail:
 }
 
 /* ---- the plain (FULL-only) tree's lock walks: RadixTree's Node (server/tree/node.py), through its slots ---- */
-enum { FN_PARENT, FN_LOCK, FN_VALUE, FN_DVER, FN_CHILDREN, FN_KEY, FN_ID, FN_ATIME, FN_LOADING, FN_HVER, FN_SLOTS };
+enum { FN_PARENT, FN_LOCK, FN_VALUE, FN_DVER, FN_CHILDREN, FN_KEY, FN_ID, FN_ATIME, FN_LOADING, FN_HVER, FN_HIT,
+       FN_PRIO, FN_SLOTS };
 static const char *const full_names[FN_SLOTS] = {"parent", "lock_ref", "value", "dver", "children", "key", "id",
-                                                 "last_access", "loading", "hver"};
+                                                 "last_access", "loading", "hver", "hit_count", "priority"};
 static Layout full_layout = {full_names, FN_SLOTS};
 #define fget(obj, k) lget(&full_layout, (obj), (k))
 #define fnode_add(obj, k, delta, now) ladd(&full_layout, (obj), (k), (delta), (now))
@@ -1018,49 +1021,52 @@ static int tree_bump(PyObject *tree, PyObject *name, Py_ssize_t *now) {
     return r;
 }
 
-/* RadixTree._refresh: a leaf (device, else host) whose policy key changed is pushed again, as _add_leaf and
- * _add_hleaf do (its version bumped, so the old entry goes stale; the heap compacted by tree._compact once past
- * slack x live + floor: ctx's last two). */
-static int full_refresh(PyObject *tree, PyObject *node, PyObject *ctx) {
-    for (int host = 0; host < 2; host++) {
+/* The leaf heap entry of a node (device, or host), pushed under its current policy key, as RadixTree._add_leaf and
+ * _add_hleaf do after their set update: its version bumped (an older entry goes stale), the heap compacted by
+ * tree._compact once past slack x live + floor (ctx's last two). */
+static int heap_push(PyObject *tree, PyObject *node, int host, PyObject *leaves, PyObject *ctx) {
+    Py_ssize_t ver, seq, n = PyTuple_GET_SIZE(ctx);
+    Py_ssize_t slack = PyLong_AsSsize_t(PyTuple_GET_ITEM(ctx, n - 2)), floor = PyLong_AsSsize_t(PyTuple_GET_ITEM(ctx, n - 1));
+    PyObject *key_of = NULL, *key = NULL, *entry = NULL, *heap = NULL, *r = NULL;
+    int ok = -1;
+    if (PyErr_Occurred() || ladd(&full_layout, node, host ? FN_HVER : FN_DVER, 1, &ver) < 0 ||
+        tree_bump(tree, s_heap_seq, &seq) < 0 || (key_of = PyObject_GetAttr(tree, s_key_of)) == NULL ||
+        (key = PyObject_CallOneArg(key_of, node)) == NULL ||
+        (entry = Py_BuildValue("(OnnO)", key, seq, ver, node)) == NULL ||
+        (heap = PyObject_GetAttr(tree, host ? s_hheap : s_heap)) == NULL)
+        goto out;
+    if (!PyList_Check(heap)) {
+        PyErr_SetString(PyExc_TypeError, "heap_push: a leaf heap must be a list");
+        goto out;
+    }
+    if ((r = PyObject_CallFunctionObjArgs(heappush, heap, entry, NULL)) == NULL)
+        goto out;
+    Py_DECREF(r);
+    r = NULL;
+    if (PyList_GET_SIZE(heap) > slack * PySet_GET_SIZE(leaves) + floor &&
+        (r = PyObject_CallMethodObjArgs(tree, s_compact, heap, leaves, host ? s_hver : s_dver, NULL)) == NULL)
+        goto out;
+    ok = 0;
+out:
+    Py_XDECREF(r);
+    Py_XDECREF(heap);
+    Py_XDECREF(entry);
+    Py_XDECREF(key);
+    Py_XDECREF(key_of);
+    return ok;
+}
+
+/* RadixTree._refresh: a leaf (device, else host) whose policy key changed is pushed again; with device_only, only a
+ * D-leaf is (insert's walk). */
+static int full_refresh(PyObject *tree, PyObject *node, PyObject *ctx, int device_only) {
+    for (int host = 0; host < 2 - device_only; host++) {
         PyObject *leaves = PyObject_GetAttr(tree, host ? s_hleaves : s_leaves);
         int in = leaves == NULL ? -1 : PySet_Contains(leaves, node);
-        if (in <= 0) {
-            Py_XDECREF(leaves);
-            if (in < 0)
-                return -1;
-            continue;
-        }
-        Py_ssize_t ver, seq, n = PyTuple_GET_SIZE(ctx);
-        Py_ssize_t slack = PyLong_AsSsize_t(PyTuple_GET_ITEM(ctx, n - 2)), floor = PyLong_AsSsize_t(PyTuple_GET_ITEM(ctx, n - 1));
-        PyObject *key_of = NULL, *key = NULL, *entry = NULL, *heap = NULL, *r = NULL;
-        int ok = -1;
-        if (PyErr_Occurred() || ladd(&full_layout, node, host ? FN_HVER : FN_DVER, 1, &ver) < 0 ||
-            tree_bump(tree, s_heap_seq, &seq) < 0 || (key_of = PyObject_GetAttr(tree, s_key_of)) == NULL ||
-            (key = PyObject_CallOneArg(key_of, node)) == NULL ||
-            (entry = Py_BuildValue("(OnnO)", key, seq, ver, node)) == NULL ||
-            (heap = PyObject_GetAttr(tree, host ? s_hheap : s_heap)) == NULL)
-            goto out;
-        if (!PyList_Check(heap)) {
-            PyErr_SetString(PyExc_TypeError, "refresh: a leaf heap must be a list");
-            goto out;
-        }
-        if ((r = PyObject_CallFunctionObjArgs(heappush, heap, entry, NULL)) == NULL)
-            goto out;
-        Py_DECREF(r);
-        r = NULL;
-        if (PyList_GET_SIZE(heap) > slack * PySet_GET_SIZE(leaves) + floor &&
-            (r = PyObject_CallMethodObjArgs(tree, s_compact, heap, leaves, host ? s_hver : s_dver, NULL)) == NULL)
-            goto out;
-        ok = 0;
-    out:
-        Py_XDECREF(r);
-        Py_XDECREF(heap);
-        Py_XDECREF(entry);
-        Py_XDECREF(key);
-        Py_XDECREF(key_of);
-        Py_DECREF(leaves);
-        return ok;
+        if (in > 0)
+            in = heap_push(tree, node, host, leaves, ctx) < 0 ? -1 : 2;
+        Py_XDECREF(leaves);
+        if (in)
+            return in < 0 ? -1 : 0;
     }
     return 0;
 }
@@ -1194,6 +1200,183 @@ static PyObject *key_tokens(PyObject *Py_UNUSED(self), PyObject *key) {
     return PyLong_FromSsize_t(n);
 }
 
+static const char *const insert_names[] = {"prefix_len", "node_id", "duplicates", "adopted_len", "tail",
+                                           "unevicted_len", "backups"};
+static Layout insert_layout = {insert_names, 7};
+static const char *const icounter_names[] = {"inserted_tokens"};
+static Layout icounters_layout = {icounter_names, 1};
+
+static int tree_add(PyObject *tree, PyObject *name, Py_ssize_t delta) {  /* tree.<name> += delta */
+    PyObject *v = PyObject_GetAttr(tree, name);
+    Py_ssize_t x = v ? PyLong_AsSsize_t(v) : -1;
+    Py_XDECREF(v);
+    if (x == -1 && PyErr_Occurred())
+        return -1;
+    v = PyLong_FromSsize_t(x + delta);
+    int r = v == NULL ? -1 : PyObject_SetAttr(tree, name, v);
+    Py_XDECREF(v);
+    return r;
+}
+
+/* A new leaf under parent (RadixTree.insert's tail, device only): id minted, the next tick, in parent's children, the
+ * node index and the D-leaf set; parent leaves that set; evictable tokens grow; a STORED event when events are on. */
+static PyObject *new_leaf(PyObject *tree, PyObject *parent, const char *kb, const char *vb, Py_ssize_t len,
+                          Py_ssize_t pb, Py_ssize_t tick, PyObject *priority, int chunked, PyObject *ns,
+                          PyObject *ctx) {
+    Py_ssize_t serial, ver;
+    PyObject *tag = PyObject_GetAttr(tree, s_tag), *id = NULL, *key = NULL, *val = NULL, *leaf = NULL, *first = NULL,
+             *children = NULL, *nodes = NULL, *leaves = NULL, *ev = NULL, *out = NULL;
+    if (tag == NULL || tree_bump(tree, s_serial, &serial) < 0)
+        goto done;
+    PyObject *sv = PyLong_FromSsize_t(serial);
+    id = sv ? PyNumber_Or(tag, sv) : NULL;
+    Py_XDECREF(sv);
+    if (id == NULL || (key = PyBytes_FromStringAndSize(kb, len)) == NULL ||
+        (val = PyBytes_FromStringAndSize(vb, len)) == NULL || (first = PyBytes_FromStringAndSize(kb, pb)) == NULL)
+        goto done;
+    PyObject *targs[7] = {id, parent, key, val, NULL, priority, ns};
+    if ((targs[4] = PyLong_FromSsize_t(tick)) == NULL)
+        goto done;
+    leaf = PyObject_Vectorcall(PyTuple_GET_ITEM(ctx, 1), targs, 7, NULL);
+    Py_DECREF(targs[4]);
+    if (leaf == NULL || (children = fget(parent, FN_CHILDREN)) == NULL || PyDict_SetItem(children, first, leaf) < 0 ||
+        (nodes = PyObject_GetAttr(tree, s_nodes)) == NULL || PyDict_SetItem(nodes, id, leaf) < 0 ||
+        tree_add(tree, s_evictable, len / 4) < 0 || (leaves = PyObject_GetAttr(tree, s_leaves)) == NULL)
+        goto done;
+    int in = PySet_Discard(leaves, parent);  /* RadixTree._drop_leaf(parent) */
+    if (in < 0 || (in && ladd(&full_layout, parent, FN_DVER, 1, &ver) < 0))
+        goto done;
+    if (!chunked && fnode_set(leaf, FN_HIT, PyLong_FromLong(1)) < 0)
+        goto done;
+    if (PySet_Add(leaves, leaf) < 0 || heap_push(tree, leaf, 0, leaves, ctx) < 0 ||  /* RadixTree._add_leaf */
+        (ev = PyObject_GetAttr(tree, s_ev)) == NULL)
+        goto done;
+    if (ev != Py_None) {
+        PyObject *r = PyObject_CallMethodObjArgs(tree, s_stored, leaf, PyTuple_GET_ITEM(ctx, 2), NULL);
+        if (r == NULL)
+            goto done;
+        Py_DECREF(r);
+    }
+    out = Py_NewRef(leaf);
+done:
+    Py_XDECREF(tag);
+    Py_XDECREF(id);
+    Py_XDECREF(key);
+    Py_XDECREF(val);
+    Py_XDECREF(first);
+    Py_XDECREF(leaf);
+    Py_XDECREF(children);
+    Py_XDECREF(nodes);
+    Py_XDECREF(leaves);
+    Py_XDECREF(ev);
+    return out;
+}
+
+/* full_insert(tree, root, key, vals, n, prev, priority, chunked, ns, ctx) -> InsertResult, or NotImplemented for
+ * slots not read in place (a contiguous int32 vector or bytes; nothing was touched). RadixTree.insert for a tree
+ * without a host tier, after its checks: the descent along key's first n bytes, each walked node's tick, priority,
+ * hit and leaf entry, the duplicate slots (those walked past prev, copied), the new leaf, the counter, the result.
+ * ctx: (InsertResult, Node, GPU, empty, int32 dtype, no slots, heap slack, heap floor). */
+static PyObject *full_insert(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 10 || !PyTuple_Check(args[9]) || PyTuple_GET_SIZE(args[9]) != 8) {
+        PyErr_SetString(PyExc_TypeError, "full_insert(tree, root, key, vals, n, prev, priority, chunked, ns, ctx: "
+                                         "(InsertResult, Node, GPU, empty, int32, no_slots, heap_slack, heap_floor))");
+        return NULL;
+    }
+    PyObject *tree = args[0], *root = args[1], *priority = args[6], *ns = args[8], *ctx = args[9];
+    layout_of(&full_layout, Py_TYPE(root));
+    Py_ssize_t n = PyLong_AsSsize_t(args[4]), prev = PyLong_AsSsize_t(args[5]);
+    int chunked = PyObject_IsTrue(args[7]);
+    PyObject *pbo = PyObject_GetAttr(tree, s_page_b);
+    Py_ssize_t pb = pbo ? PyLong_AsSsize_t(pbo) : -1;
+    Py_XDECREF(pbo);
+    if (PyErr_Occurred() || chunked < 0)
+        return NULL;
+    Py_buffer key, vals;
+    int got = read_key(args[2], &key);
+    if (got <= 0)
+        return got < 0 ? NULL : Py_NewRef(Py_NotImplemented);
+    if ((got = read_key(args[3], &vals)) <= 0) {
+        int64_release(&key);
+        return got < 0 ? NULL : Py_NewRef(Py_NotImplemented);
+    }
+    PyObject *out = NULL, *counters = NULL, *dup = NULL, *node = root, *leaf = NULL;  /* node: borrowed */
+    Path path;
+    path_init(&path);
+    if (pb <= 0 || pb % 4 || n < 0 || n > key.len || n % pb || n > vals.len || prev < 0 || 4 * prev > n) {
+        PyErr_Format(PyExc_ValueError, "full_insert: %zd bytes of a %zd-byte key, %zd of slots, pages of %zd, "
+                                       "prev %zd", n, key.len, vals.len, pb, prev);
+        goto done;
+    }
+    int stopped;
+    Py_ssize_t off = fdescend(tree, root, key.buf, n, pb, pb / 4, &path, 0, &stopped), tick;
+    PyObject *tv = off < 0 ? NULL : PyObject_GetAttr(tree, s_tick);
+    tick = tv ? PyLong_AsSsize_t(tv) : -1;
+    Py_XDECREF(tv);
+    if (tick == -1 && PyErr_Occurred())
+        goto done;
+    for (Py_ssize_t i = 0; i < path.len; i++) {
+        PyObject *nd = path.node[i], *v = fget(nd, FN_VALUE), *p = v ? fget(nd, FN_PRIO) : NULL;
+        Py_XDECREF(v);
+        if (p == NULL)
+            goto done;
+        int higher = v == Py_None ? -1 : PyObject_RichCompareBool(priority, p, Py_GT);
+        Py_DECREF(p);
+        if (higher < 0) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_RuntimeError, "full_insert: a node without device slots in a device-only tree");
+            goto done;
+        }
+        Py_ssize_t hits;
+        if (fnode_set(nd, FN_ATIME, PyLong_FromSsize_t(++tick)) < 0 ||
+            (higher && fnode_set(nd, FN_PRIO, Py_NewRef(priority)) < 0) ||
+            (!chunked && ladd(&full_layout, nd, FN_HIT, 1, &hits) < 0) || full_refresh(tree, nd, ctx, 1) < 0)
+            goto done;
+        node = nd;
+    }
+    Py_ssize_t from = 4 * prev < off ? 4 * prev : off;  /* the walked slots past prev come back as duplicates */
+    if (from == off) {
+        dup = Py_NewRef(PyTuple_GET_ITEM(ctx, 5));
+    } else {
+        Py_buffer w;
+        if ((dup = new_vector((off - from) / 4, 0, PyTuple_GET_ITEM(ctx, 3), PyTuple_GET_ITEM(ctx, 4))) == NULL ||
+            PyObject_GetBuffer(dup, &w, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+            goto done;
+        memcpy(w.buf, (const char *)vals.buf + from, (size_t)(off - from));
+        PyBuffer_Release(&w);
+    }
+    Py_ssize_t walked = off;
+    if (off < n) {
+        if ((leaf = new_leaf(tree, node, (const char *)key.buf + off, (const char *)vals.buf + off, n - off, pb,
+                             ++tick, priority, chunked, ns, ctx)) == NULL)
+            goto done;
+        node = leaf;
+        off = n;
+    }
+    tv = PyLong_FromSsize_t(tick);
+    int r = tv == NULL ? -1 : PyObject_SetAttr(tree, s_tick, tv);
+    Py_XDECREF(tv);
+    if (r < 0 || (counters = PyObject_GetAttr(tree, s_counters)) == NULL)
+        goto done;
+    Py_ssize_t now;
+    layout_of(&icounters_layout, Py_TYPE(counters));
+    if (ladd(&icounters_layout, counters, 0, (off - walked) / 4, &now) < 0)
+        goto done;
+    PyObject *res[7] = {PyLong_FromSsize_t(walked / 4), fget(node, FN_ID), dup,
+                        PyLong_FromSsize_t((off - walked) / 4), PySequence_GetSlice(args[3], off / 4, PY_SSIZE_T_MAX),
+                        PyLong_FromLong(0), PyTuple_New(0)};
+    dup = NULL;
+    out = make_result(&insert_layout, PyTuple_GET_ITEM(ctx, 0), res, 7);
+done:
+    int64_release(&key);
+    int64_release(&vals);
+    Py_XDECREF(counters);
+    Py_XDECREF(dup);
+    Py_XDECREF(leaf);
+    path_free(&path);
+    return out;
+}
+
 static const char *const match_names[] = {"indices", "matched_len", "host_hit_len", "node_id", "best_node_id"};
 static Layout match_layout = {match_names, 5};
 
@@ -1266,7 +1449,8 @@ static PyObject *full_match(PyObject *Py_UNUSED(self), PyObject *const *args, Py
         tv = PyLong_FromSsize_t(tick);
         int r = tv == NULL ? -1 : PyObject_SetAttr(tree, s_tick, tv);
         Py_XDECREF(tv);
-        if (r < 0 || full_refresh(tree, node, ctx) < 0 || (dev != node && dev != root && full_refresh(tree, dev, ctx) < 0))
+        if (r < 0 || full_refresh(tree, node, ctx, 0) < 0 ||
+            (dev != node && dev != root && full_refresh(tree, dev, ctx, 0) < 0))
             goto done;
     }
     if (total == 0) {
@@ -1326,6 +1510,8 @@ static PyMethodDef methods[] = {
      "RadixTree.match_prefix after its root: walk, split, counters, ticks, refresh, the device slots."},
     {"full_descend", (PyCFunction)(void (*)(void))full_descend, METH_FASTCALL,
      "RadixTree.insert's descent: (path, the key's tail for a new leaf or None)."},
+    {"full_insert", (PyCFunction)(void (*)(void))full_insert, METH_FASTCALL,
+     "RadixTree.insert without a host tier, after its checks: descent, walked nodes, duplicates, new leaf, result."},
     {"key_tokens", key_tokens, METH_O, "Tokens of a key read in place, or -1 for one to pack first."},
     {"fast_paths", fast_paths, METH_NOARGS,
      "Which fast paths this process proved: numpy's fields and constructor, each known type's slots."},
@@ -1343,7 +1529,8 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_hwalk", "The radix 
                                     methods};
 
 PyMODINIT_FUNC PyInit__hwalk(void) {
-    Layout *layouts[] = {&node_layout, &full_layout, &counters_layout, &result_layout, &match_layout};
+    Layout *layouts[] = {&node_layout, &full_layout, &counters_layout, &result_layout, &match_layout, &insert_layout,
+                         &icounters_layout};
     for (size_t i = 0; i < sizeof(layouts) / sizeof(layouts[0]); i++)
         for (int k = 0; k < layouts[i]->n; k++)
             if ((layouts[i]->names[k] = PyUnicode_InternFromString(layouts[i]->cnames[k])) == NULL)
@@ -1351,7 +1538,9 @@ PyMODINIT_FUNC PyInit__hwalk(void) {
     struct { PyObject **at; const char *name; } names[] = {
         {&s_counters, "counters"}, {&s_clock, "_clock"}, {&s_tick, "_tick"}, {&s_leaves, "_leaves"},
         {&s_hleaves, "_hleaves"}, {&s_heap, "_heap"}, {&s_hheap, "_hheap"}, {&s_heap_seq, "_heap_seq"},
-        {&s_key_of, "_key_of"}, {&s_compact, "_compact"}, {&s_dver, "dver"}, {&s_hver, "hver"}};
+        {&s_key_of, "_key_of"}, {&s_compact, "_compact"}, {&s_dver, "dver"}, {&s_hver, "hver"}, {&s_tag, "_tag"},
+        {&s_serial, "_serial"}, {&s_nodes, "_nodes"}, {&s_evictable, "evictable_size"}, {&s_ev, "_ev"},
+        {&s_stored, "_stored"}, {&s_page_b, "_page_b"}};
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
         if ((*names[i].at = PyUnicode_InternFromString(names[i].name)) == NULL)
             return NULL;

@@ -53,12 +53,15 @@ TokenInput = Union[bytes, bytearray, memoryview, np.ndarray, Iterable[int]]
 DEFAULT_NS: Namespace = ("", "")
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 HEAP_SLACK, HEAP_FLOOR = 2, 1024  # a lazy heap holds at most SLACK x live entries + FLOOR
+_I32 = np.dtype("<i4")
 _SERIAL_BITS = 48
 _SERIAL_MASK = (1 << _SERIAL_BITS) - 1
 
 
 def as_int32(data: TokenInput) -> np.ndarray:
     """Accept packed little-endian int32 bytes, numpy arrays or lists; return a 1-D int32 array."""
+    if type(data) is np.ndarray and data.dtype is _I32 and data.ndim == 1:  # already one: the hot case, as is
+        return data
     if isinstance(data, (bytes, bytearray, memoryview)):
         if len(data) % 4:
             raise InvalidInput(f"packed int32 buffer has {len(data)} bytes, not a multiple of 4")
@@ -137,7 +140,8 @@ class RadixTree(TransferMixin, StorageMixin):
         self._ev: Optional[EventQueue] = EventQueue(events_limit) if events else None
         self._walk = _hwalk if native else None  # match and lock walks in C; None: the Python loops (their reference)
         # what the C match builds with, and the lazy heaps' bound it keeps when it re-pushes a leaf
-        self._mctx = (MatchResult, np.empty, np.dtype("<i4"), _EMPTY, page_size, HEAP_SLACK, HEAP_FLOOR)
+        self._mctx = (MatchResult, np.empty, _I32, _EMPTY, page_size, HEAP_SLACK, HEAP_FLOOR)
+        self._ictx = (InsertResult, Node, GPU, np.empty, _I32, _EMPTY, HEAP_SLACK, HEAP_FLOOR)  # the C insert's
         self._seeds: dict[Namespace, Optional[bytes]] = {}
         self._hfmt = (self._page_b, self.bigram)  # shared by every lazy digest run (hashes.py)
         self._root(DEFAULT_NS)
@@ -596,9 +600,13 @@ class RadixTree(TransferMixin, StorageMixin):
         if root is None:  # nothing to cache in a namespace never seen: allocate nothing
             return InsertResult(0, self._roots[DEFAULT_NS].id, _EMPTY, 0, vals)
         pb, n = self._page_b, aligned * isz
+        if walk is not None and not self.host:  # the whole insert in C; the lines below are its reference
+            out = walk.full_insert(self, root, kb, vals, n, prev_prefix_len, priority, chunked, namespace, self._ictx)
+            if out is not NotImplemented:
+                return out
         path, tail = walk.full_descend(self, root, kb, n, pb) if walk is not None else self._descend(root, kb, n)
         node, off = root, 0
-        dups: list[np.ndarray] = []
+        dups: list[tuple[int, int]] = []  # [from, to) ranges of vals; consecutive device nodes extend one range
         dev_end = -1  # byte offset where the device-resident part of the path ended
         unevicted = 0
         want_backup: Optional[Node] = None
@@ -614,7 +622,10 @@ class RadixTree(TransferMixin, StorageMixin):
             else:
                 dup_from = max(pos, prev_prefix_len)
                 if dup_from < pos + length:
-                    dups.append(vals[dup_from:pos + length])
+                    if dups and dups[-1][1] == dup_from:
+                        dups[-1] = (dups[-1][0], pos + length)
+                    else:
+                        dups.append((dup_from, pos + length))
             self._tick += 1
             child.last_access = self._tick
             if priority > child.priority:
@@ -649,7 +660,9 @@ class RadixTree(TransferMixin, StorageMixin):
         adopted = (off - dev_end) // isz
         self.counters.inserted_tokens += adopted
         backups = self._backup_chain(want_backup) if want_backup is not None else ()
-        dup = np.concatenate(dups) if dups else _EMPTY  # a copy: never a view of the caller's array
+        # a copy: never a view of the caller's array
+        dup = _EMPTY if not dups else vals[dups[0][0]:dups[0][1]].copy() if len(dups) == 1 else \
+            np.concatenate([vals[a:b] for a, b in dups])
         return InsertResult(dev_end // isz, node.id, dup, adopted, vals[off // isz:], unevicted, backups)
 
     def _descend(self, root: Node, kb: bytes, n: int) -> tuple[list[Node], Optional[bytes]]:
