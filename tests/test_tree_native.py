@@ -34,6 +34,7 @@ def test_native_and_python_walks_agree_step_by_step(page, policy, events):
     rng = random.Random(page)
     pair = [RadixTree(page_size=page, policy=policy, native=n, events=events) for n in (True, False)]
     assert pair[0]._walk is not None and pair[1]._walk is None
+    assert pair[0].lock.func is tree_mod._hwalk.lock_handle and pair[0].unlock.func is tree_mod._hwalk.unlock_handle
     prompts = [[rng.randrange(5) for _ in range(rng.randrange(2, 12) * page)] for _ in range(10)]
     held: list[int] = []
     slot = 1

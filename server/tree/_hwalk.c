@@ -27,6 +27,8 @@
  * full_descend(tree, root, key, n, page_bytes) -> (path, tail), key_tokens(key) -> int
  * full_insert(tree, root, key, vals, n, prev, priority, chunked, ns, ctx) -> InsertResult, or NotImplemented
  * full_lock(node, leaves) -> tokens, full_unlock(node) -> (tokens, root or None)
+ * lock_handle(tree, node_id) -> receipt, unlock_handle(tree, receipt) -> None
+ *     lock and unlock themselves, bound to a native tree (the methods take the rare cases)
  *     RadixTree.match_prefix after its root, insert's descent (the whole insert without a host tier), and the
  *     device lock walks (see each function).
  * numpy's array fields and constructor are used directly once they have proven themselves (int64_view, np_api).
@@ -37,7 +39,8 @@
 #include <structmember.h>
 
 static PyObject *s_counters, *s_clock, *s_tick, *s_leaves, *s_hleaves, *s_heap, *s_hheap, *s_heap_seq, *s_key_of,
-    *s_compact, *s_dver, *s_hver, *s_tag, *s_serial, *s_nodes, *s_evictable, *s_ev, *s_stored, *s_page_b;
+    *s_compact, *s_dver, *s_hver, *s_tag, *s_serial, *s_nodes, *s_evictable, *s_ev, *s_stored, *s_page_b, *s_protected,
+    *s_receipts, *s_lock, *s_unlock, *s_mctx, *s_prune_root;
 static PyObject *heappush;  /* _heapq.heappush */
 
 /* A type's __slots__, read and written at their offsets (what their member descriptors do, without the attribute
@@ -913,13 +916,8 @@ static Py_ssize_t value_tokens(PyObject *node) {  /* len(node.value) >> 2: packe
 /* full_lock(node, leaves) -> tokens: RadixTree.lock's device walk. Every node from node up to its root, the root
  * included, takes one lock; a node whose count leaves 0 gives its tokens and stops being a D-leaf (out of leaves,
  * its heap entry staled by dver). */
-static PyObject *full_lock(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2 || !PySet_Check(args[1])) {
-        PyErr_SetString(PyExc_TypeError, "full_lock(node, leaves: set)");
-        return NULL;
-    }
-    layout_of(&full_layout, Py_TYPE(args[0]));
-    PyObject *node = args[0], *leaves = args[1];
+static Py_ssize_t lock_walk(PyObject *node, PyObject *leaves) {
+    layout_of(&full_layout, Py_TYPE(node));
     Py_INCREF(node);
     Py_ssize_t newly = 0, lock, ver;
     for (;;) {
@@ -952,23 +950,28 @@ static PyObject *full_lock(PyObject *Py_UNUSED(self), PyObject *const *args, Py_
         node = parent;
     }
     Py_DECREF(node);
-    return PyLong_FromSsize_t(newly);
+    return newly;
 fail:
     Py_DECREF(node);
-    return NULL;
+    return -1;
+}
+
+static PyObject *full_lock(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || !PySet_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "full_lock(node, leaves: set)");
+        return NULL;
+    }
+    Py_ssize_t newly = lock_walk(args[0], args[1]);
+    return newly < 0 ? NULL : PyLong_FromSsize_t(newly);
 }
 
 /* full_unlock(node) -> (tokens, root): RadixTree._dunlock's walk. Every node from node up to its root, the root
  * included, gives one lock back; tokens: those of the nodes whose count reached 0; root: the root when its count
  * reached 0 (to prune), else None. Of the nodes reaching 0 only node can be a D-leaf (each above it has the
  * device-resident child below it on this path): the caller checks that one. */
-static PyObject *full_unlock(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 1) {
-        PyErr_SetString(PyExc_TypeError, "full_unlock(node)");
-        return NULL;
-    }
-    layout_of(&full_layout, Py_TYPE(args[0]));
-    PyObject *node = args[0], *root = Py_None;
+static PyObject *unlock_walk(PyObject *node) {
+    layout_of(&full_layout, Py_TYPE(node));
+    PyObject *root = Py_None;
     Py_INCREF(node);
     Py_ssize_t freed = 0, lock;
     for (;;) {
@@ -1000,6 +1003,14 @@ static PyObject *full_unlock(PyObject *Py_UNUSED(self), PyObject *const *args, P
 fail:
     Py_DECREF(node);
     return NULL;
+}
+
+static PyObject *full_unlock(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 1) {
+        PyErr_SetString(PyExc_TypeError, "full_unlock(node)");
+        return NULL;
+    }
+    return unlock_walk(args[0]);
 }
 
 static int fnode_set(PyObject *obj, int k, PyObject *v) {  /* steals v */
@@ -1377,6 +1388,153 @@ done:
     return out;
 }
 
+/* RadixTree._is_leaf: a device-resident, unlocked non-root node without a device-resident child. */
+static int is_dleaf(PyObject *node) {
+    PyObject *parent = fget(node, FN_PARENT), *lock = parent ? fget(node, FN_LOCK) : NULL,
+             *value = lock ? fget(node, FN_VALUE) : NULL, *children = value ? fget(node, FN_CHILDREN) : NULL;
+    int out = -1;
+    if (children == NULL)
+        goto done;
+    if (!PyDict_Check(children)) {
+        PyErr_SetString(PyExc_TypeError, "is_dleaf: children must be a dict");
+        goto done;
+    }
+    out = parent != Py_None && PyLong_Check(lock) && PyLong_AsSsize_t(lock) == 0 && value != Py_None;
+    Py_ssize_t pos = 0;
+    PyObject *k, *c;
+    while (out == 1 && PyDict_Next(children, &pos, &k, &c)) {  /* any device-resident child? */
+        PyObject *cv = fget(c, FN_VALUE);
+        if (cv == NULL)
+            out = -1;
+        else if (cv != Py_None)
+            out = 0;
+        Py_XDECREF(cv);
+    }
+done:
+    Py_XDECREF(parent);
+    Py_XDECREF(lock);
+    Py_XDECREF(value);
+    Py_XDECREF(children);
+    return out;
+}
+
+static int tree_move(PyObject *tree, Py_ssize_t tokens) {  /* evictable -> protected (tokens < 0: back) */
+    return tokens == 0 ? 0 : (tree_add(tree, s_evictable, -tokens) < 0 || tree_add(tree, s_protected, tokens) < 0) ? -1 : 0;
+}
+
+/* lock_handle(tree, node_id) -> receipt: RadixTree.lock for a device-resident node, called as tree.lock when the tree is
+ * native (no Python frame on the hot path): the node looked up, a receipt minted, the device walk, the sizes, the
+ * receipt recorded. Anything else (a stale, foreign or host-only node) goes to the Python method, which raises or
+ * host-locks. */
+static PyObject *lock_handle(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "lock_handle(tree, node_id)");
+        return NULL;
+    }
+    PyObject *tree = args[0], *nodes = PyObject_GetAttr(tree, s_nodes), *node = NULL, *value = NULL;
+    if (nodes == NULL)
+        return NULL;
+    node = PyDict_Check(nodes) && PyLong_CheckExact(args[1]) ? PyDict_GetItemWithError(nodes, args[1]) : NULL;
+    Py_XINCREF(node);
+    Py_DECREF(nodes);
+    if (node != NULL) {
+        layout_of(&full_layout, Py_TYPE(node));
+        value = fget(node, FN_VALUE);
+    }
+    if (PyErr_Occurred()) {
+        Py_XDECREF(node);
+        Py_XDECREF(value);
+        return NULL;
+    }
+    if (node == NULL || value == Py_None) {  /* the rare cases: the reference raises or host-locks */
+        Py_XDECREF(node);
+        Py_XDECREF(value);
+        return PyObject_CallMethodObjArgs((PyObject *)Py_TYPE(tree), s_lock, tree, args[1], NULL);
+    }
+    Py_DECREF(value);
+    PyObject *tag = PyObject_GetAttr(tree, s_tag), *receipt = NULL, *leaves = NULL, *receipts = NULL, *entry = NULL;
+    Py_ssize_t serial, newly;
+    if (tag == NULL || tree_bump(tree, s_serial, &serial) < 0)
+        goto done;
+    PyObject *sv = PyLong_FromSsize_t(serial);
+    receipt = sv ? PyNumber_Or(tag, sv) : NULL;
+    Py_XDECREF(sv);
+    if (receipt == NULL || (leaves = PyObject_GetAttr(tree, s_leaves)) == NULL)
+        goto done;
+    if (!PySet_Check(leaves)) {
+        PyErr_SetString(PyExc_TypeError, "lock_handle: the leaf set must be a set");
+        goto done;
+    }
+    if ((newly = lock_walk(node, leaves)) < 0 || tree_move(tree, newly) < 0 ||
+        (receipts = PyObject_GetAttr(tree, s_receipts)) == NULL || (entry = PyTuple_Pack(2, node, Py_None)) == NULL ||
+        PyObject_SetItem(receipts, receipt, entry) < 0)
+        Py_CLEAR(receipt);
+done:
+    Py_XDECREF(tag);
+    Py_XDECREF(leaves);
+    Py_XDECREF(receipts);
+    Py_XDECREF(entry);
+    Py_DECREF(node);
+    return receipt;
+}
+
+/* unlock_handle(tree, receipt) -> None: RadixTree.unlock for a receipt on a device-resident node alone, called as
+ * tree.unlock when the tree is native: the receipt dropped, the device walk back, the sizes, the anchor back among the
+ * D-leaves if it became one, an emptied namespace root pruned. Anything else goes to the Python method. */
+static PyObject *unlock_handle(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "unlock_handle(tree, receipt)");
+        return NULL;
+    }
+    PyObject *tree = args[0], *receipts = PyObject_GetAttr(tree, s_receipts), *entry = NULL;
+    if (receipts == NULL)
+        return NULL;
+    if (PyDict_Check(receipts) && PyLong_CheckExact(args[1])) {
+        entry = PyDict_GetItemWithError(receipts, args[1]);
+        Py_XINCREF(entry);
+    }
+    if (entry == NULL || !PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 2 ||
+        PyTuple_GET_ITEM(entry, 1) != Py_None) {  /* unknown, or host-anchored: the reference raises or unlocks */
+        Py_DECREF(receipts);
+        Py_XDECREF(entry);
+        return PyErr_Occurred() ? NULL : PyObject_CallMethodObjArgs((PyObject *)Py_TYPE(tree), s_unlock, tree, args[1], NULL);
+    }
+    PyObject *node = PyTuple_GET_ITEM(entry, 0), *out = NULL, *walk = NULL;
+    layout_of(&full_layout, Py_TYPE(node));
+    if (PyDict_DelItem(receipts, args[1]) < 0 || (walk = unlock_walk(node)) == NULL)
+        goto done;
+    Py_ssize_t freed = PyLong_AsSsize_t(PyTuple_GET_ITEM(walk, 0));
+    PyObject *root = PyTuple_GET_ITEM(walk, 1);
+    int leaf = PyErr_Occurred() || tree_move(tree, -freed) < 0 ? -1 : is_dleaf(node);
+    if (leaf < 0)
+        goto done;
+    if (leaf) {  /* RadixTree._add_leaf */
+        PyObject *leaves = PyObject_GetAttr(tree, s_leaves);
+        int r = leaves == NULL || PySet_Add(leaves, node) < 0 ? -1 : 0;
+        PyObject *ctx = r < 0 ? NULL : PyObject_GetAttr(tree, s_mctx);
+        r = ctx == NULL || !PyTuple_Check(ctx) || PyTuple_GET_SIZE(ctx) < 2 ? -1 : heap_push(tree, node, 0, leaves, ctx);
+        Py_XDECREF(ctx);
+        Py_XDECREF(leaves);
+        if (r < 0) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_TypeError, "unlock_handle: tree._mctx must end with the heap bounds");
+            goto done;
+        }
+    }
+    if (root != Py_None) {
+        PyObject *r = PyObject_CallMethodObjArgs(tree, s_prune_root, root, NULL);
+        if (r == NULL)
+            goto done;
+        Py_DECREF(r);
+    }
+    out = Py_NewRef(Py_None);
+done:
+    Py_XDECREF(walk);
+    Py_DECREF(entry);
+    Py_DECREF(receipts);
+    return out;
+}
+
 static const char *const match_names[] = {"indices", "matched_len", "host_hit_len", "node_id", "best_node_id"};
 static Layout match_layout = {match_names, 5};
 
@@ -1510,6 +1668,10 @@ static PyMethodDef methods[] = {
      "RadixTree.match_prefix after its root: walk, split, counters, ticks, refresh, the device slots."},
     {"full_descend", (PyCFunction)(void (*)(void))full_descend, METH_FASTCALL,
      "RadixTree.insert's descent: (path, the key's tail for a new leaf or None)."},
+    {"lock_handle", (PyCFunction)(void (*)(void))lock_handle, METH_FASTCALL,
+     "RadixTree.lock on a device-resident node (native trees bind it as tree.lock); anything else: the method."},
+    {"unlock_handle", (PyCFunction)(void (*)(void))unlock_handle, METH_FASTCALL,
+     "RadixTree.unlock of a device-anchored receipt (native trees bind it as tree.unlock); anything else: the method."},
     {"full_insert", (PyCFunction)(void (*)(void))full_insert, METH_FASTCALL,
      "RadixTree.insert without a host tier, after its checks: descent, walked nodes, duplicates, new leaf, result."},
     {"key_tokens", key_tokens, METH_O, "Tokens of a key read in place, or -1 for one to pack first."},
@@ -1540,7 +1702,8 @@ PyMODINIT_FUNC PyInit__hwalk(void) {
         {&s_hleaves, "_hleaves"}, {&s_heap, "_heap"}, {&s_hheap, "_hheap"}, {&s_heap_seq, "_heap_seq"},
         {&s_key_of, "_key_of"}, {&s_compact, "_compact"}, {&s_dver, "dver"}, {&s_hver, "hver"}, {&s_tag, "_tag"},
         {&s_serial, "_serial"}, {&s_nodes, "_nodes"}, {&s_evictable, "evictable_size"}, {&s_ev, "_ev"},
-        {&s_stored, "_stored"}, {&s_page_b, "_page_b"}};
+        {&s_stored, "_stored"}, {&s_page_b, "_page_b"}, {&s_protected, "protected_size"}, {&s_receipts, "_receipts"},
+        {&s_lock, "lock"}, {&s_unlock, "unlock"}, {&s_mctx, "_mctx"}, {&s_prune_root, "_prune_root"}};
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
         if ((*names[i].at = PyUnicode_InternFromString(names[i].name)) == NULL)
             return NULL;

@@ -29,6 +29,7 @@ Access times and hits, where radixd differs from SGLang's in-process RadixCache:
 """
 from __future__ import annotations
 
+import functools
 import heapq
 from typing import Iterable, Optional, Union
 
@@ -139,6 +140,9 @@ class RadixTree(TransferMixin, StorageMixin):
         self.counters = TreeCounters()
         self._ev: Optional[EventQueue] = EventQueue(events_limit) if events else None
         self._walk = _hwalk if native else None  # match and lock walks in C; None: the Python loops (their reference)
+        if self._walk is not None:  # lock and unlock go straight to C, no Python frame; the methods take the rare cases
+            self.lock = functools.partial(_hwalk.lock_handle, self)
+            self.unlock = functools.partial(_hwalk.unlock_handle, self)
         # what the C match builds with, and the lazy heaps' bound it keeps when it re-pushes a leaf
         self._mctx = (MatchResult, np.empty, _I32, _EMPTY, page_size, HEAP_SLACK, HEAP_FLOOR)
         self._ictx = (InsertResult, Node, GPU, np.empty, _I32, _EMPTY, HEAP_SLACK, HEAP_FLOOR)  # the C insert's
