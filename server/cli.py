@@ -86,6 +86,10 @@ class UsageError(Exception):
 def cmd_serve(args) -> None:
     import signal
 
+    # Idle OpenMP threads (torch's host-pool gathers) must sleep, not spin: they would take the cores the request
+    # path, the event publisher and the engines beside radixd need. Read when torch loads, which has not happened yet.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
     from .app import StartupError, Terminated, _step, run
     from .config import ConfigError, load
 
