@@ -1034,15 +1034,24 @@ static int tree_bump(PyObject *tree, PyObject *name, Py_ssize_t *now) {
 
 /* The leaf heap entry of a node (device, or host), pushed under its current policy key, as RadixTree._add_leaf and
  * _add_hleaf do after their set update: its version bumped (an older entry goes stale), the heap compacted by
- * tree._compact once past slack x live + floor (ctx's last two). */
+ * tree._compact once past slack x live + floor (ctx's last two). ctx[-3]: the LRU policy's key function, whose key
+ * (the node's last_access alone) is built here without calling it. */
 static int heap_push(PyObject *tree, PyObject *node, int host, PyObject *leaves, PyObject *ctx) {
     Py_ssize_t ver, seq, n = PyTuple_GET_SIZE(ctx);
     Py_ssize_t slack = PyLong_AsSsize_t(PyTuple_GET_ITEM(ctx, n - 2)), floor = PyLong_AsSsize_t(PyTuple_GET_ITEM(ctx, n - 1));
     PyObject *key_of = NULL, *key = NULL, *entry = NULL, *heap = NULL, *r = NULL;
     int ok = -1;
     if (PyErr_Occurred() || ladd(&full_layout, node, host ? FN_HVER : FN_DVER, 1, &ver) < 0 ||
-        tree_bump(tree, s_heap_seq, &seq) < 0 || (key_of = PyObject_GetAttr(tree, s_key_of)) == NULL ||
-        (key = PyObject_CallOneArg(key_of, node)) == NULL ||
+        tree_bump(tree, s_heap_seq, &seq) < 0 || (key_of = PyObject_GetAttr(tree, s_key_of)) == NULL)
+        goto out;
+    if (key_of == PyTuple_GET_ITEM(ctx, n - 3)) {  /* LRU's key, (node.last_access,), built here: no call */
+        PyObject *atime = fget(node, FN_ATIME);
+        key = atime ? PyTuple_Pack(1, atime) : NULL;
+        Py_XDECREF(atime);
+    } else {
+        key = PyObject_CallOneArg(key_of, node);
+    }
+    if (key == NULL ||
         (entry = Py_BuildValue("(OnnO)", key, seq, ver, node)) == NULL ||
         (heap = PyObject_GetAttr(tree, host ? s_hheap : s_heap)) == NULL)
         goto out;
@@ -1287,11 +1296,12 @@ done:
  * slots not read in place (a contiguous int32 vector or bytes; nothing was touched). RadixTree.insert for a tree
  * without a host tier, after its checks: the descent along key's first n bytes, each walked node's tick, priority,
  * hit and leaf entry, the duplicate slots (those walked past prev, copied), the new leaf, the counter, the result.
- * ctx: (InsertResult, Node, GPU, empty, int32 dtype, no slots, heap slack, heap floor). */
+ * ctx: (InsertResult, Node, GPU, empty, int32 dtype, no slots, LRU key, heap slack, heap floor). */
 static PyObject *full_insert(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 10 || !PyTuple_Check(args[9]) || PyTuple_GET_SIZE(args[9]) != 8) {
+    if (nargs != 10 || !PyTuple_Check(args[9]) || PyTuple_GET_SIZE(args[9]) != 9) {
         PyErr_SetString(PyExc_TypeError, "full_insert(tree, root, key, vals, n, prev, priority, chunked, ns, ctx: "
-                                         "(InsertResult, Node, GPU, empty, int32, no_slots, heap_slack, heap_floor))");
+                                         "(InsertResult, Node, GPU, empty, int32, no_slots, lru_key, heap_slack, "
+                                         "heap_floor))");
         return NULL;
     }
     PyObject *tree = args[0], *root = args[1], *priority = args[6], *ns = args[8], *ctx = args[9];
@@ -1512,12 +1522,12 @@ static PyObject *unlock_handle(PyObject *Py_UNUSED(self), PyObject *const *args,
         PyObject *leaves = PyObject_GetAttr(tree, s_leaves);
         int r = leaves == NULL || PySet_Add(leaves, node) < 0 ? -1 : 0;
         PyObject *ctx = r < 0 ? NULL : PyObject_GetAttr(tree, s_mctx);
-        r = ctx == NULL || !PyTuple_Check(ctx) || PyTuple_GET_SIZE(ctx) < 2 ? -1 : heap_push(tree, node, 0, leaves, ctx);
+        r = ctx == NULL || !PyTuple_Check(ctx) || PyTuple_GET_SIZE(ctx) < 3 ? -1 : heap_push(tree, node, 0, leaves, ctx);
         Py_XDECREF(ctx);
         Py_XDECREF(leaves);
         if (r < 0) {
             if (!PyErr_Occurred())
-                PyErr_SetString(PyExc_TypeError, "unlock_handle: tree._mctx must end with the heap bounds");
+                PyErr_SetString(PyExc_TypeError, "unlock_handle: tree._mctx must end with the LRU key and the heap bounds");
             goto done;
         }
     }
@@ -1541,12 +1551,12 @@ static Layout match_layout = {match_names, 5};
 /* full_match(tree, root, key, page_bytes, ctx) -> MatchResult, or NotImplemented for a key to pack first.
  * RadixTree.match_prefix after finding the namespace's root (a tree without bigram keys): the walk (an edge the key
  * ends inside is split through tree._split), the counters, the path's access ticks, the refresh of the end nodes,
- * the device slots of the path end to end. ctx: (MatchResult, empty, int32 dtype, no slots, page tokens, heap slack,
- * heap floor). */
+ * the device slots of the path end to end. ctx: (MatchResult, empty, int32 dtype, no slots, page tokens, LRU key,
+ * heap slack, heap floor). */
 static PyObject *full_match(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 5 || !PyTuple_Check(args[4]) || PyTuple_GET_SIZE(args[4]) != 7) {
+    if (nargs != 5 || !PyTuple_Check(args[4]) || PyTuple_GET_SIZE(args[4]) != 8) {
         PyErr_SetString(PyExc_TypeError, "full_match(tree, root, key, page_bytes, ctx: (result_type, empty, int32, "
-                                         "no_slots, page, heap_slack, heap_floor))");
+                                         "no_slots, page, lru_key, heap_slack, heap_floor))");
         return NULL;
     }
     PyObject *tree = args[0], *root = args[1], *ctx = args[4];

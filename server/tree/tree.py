@@ -39,7 +39,7 @@ from .errors import ForeignHandle, InFlight, InvalidInput, LocksHeld, StaleHandl
 from .node import Node
 from . import hashes as _hashes
 from .events import CPU, GPU, REMOVED, STORED, CLEARED, Event, EventQueue, RawEvents
-from .policies import DEFAULT_SLRU_THRESHOLD, policy_key
+from .policies import DEFAULT_SLRU_THRESHOLD, POLICIES, policy_key
 from .results import _EMPTY, BackupAction, EvictResult, FreedSlots, InsertResult, MatchResult, TreeCounters, _slots
 from .storage import StorageMixin
 from .transfers import BackupOp, LoadOp, TransferMixin
@@ -144,8 +144,8 @@ class RadixTree(TransferMixin, StorageMixin):
             self.lock = functools.partial(_hwalk.lock_handle, self)
             self.unlock = functools.partial(_hwalk.unlock_handle, self)
         # what the C match builds with, and the lazy heaps' bound it keeps when it re-pushes a leaf
-        self._mctx = (MatchResult, np.empty, _I32, _EMPTY, page_size, HEAP_SLACK, HEAP_FLOOR)
-        self._ictx = (InsertResult, Node, GPU, np.empty, _I32, _EMPTY, HEAP_SLACK, HEAP_FLOOR)  # the C insert's
+        self._mctx = (MatchResult, np.empty, _I32, _EMPTY, page_size, POLICIES["lru"], HEAP_SLACK, HEAP_FLOOR)
+        self._ictx = (InsertResult, Node, GPU, np.empty, _I32, _EMPTY, POLICIES["lru"], HEAP_SLACK, HEAP_FLOOR)
         self._seeds: dict[Namespace, Optional[bytes]] = {}
         self._hfmt = (self._page_b, self.bigram)  # shared by every lazy digest run (hashes.py)
         self._root(DEFAULT_NS)
