@@ -96,6 +96,8 @@ def test_native_lock_walks_refuse_bad_arguments():
     with pytest.raises(ValueError):  # not whole pages
         tree_mod._hwalk.full_descend(t, root, np.arange(3, dtype=np.int32), 6, 4)
     assert tree_mod._hwalk.full_descend(t, root, [1, 2], 8, 4) is NotImplemented  # a list is packed first
+    with pytest.raises(TypeError):  # the evict's context is the tree's own
+        tree_mod._hwalk.full_evict(t, 5, ())
     assert tree_mod._hwalk.key_tokens(b"\0" * 12) == 3 and tree_mod._hwalk.key_tokens([1]) == -1
     assert tree_mod._hwalk.key_tokens(np.arange(3, dtype=np.int64)) == -1  # int64: packed (range-checked) first
     assert t.check() == []

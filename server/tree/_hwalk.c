@@ -27,6 +27,7 @@
  * full_descend(tree, root, key, n, page_bytes) -> (path, tail), key_tokens(key) -> int
  * full_insert(tree, root, key, vals, n, prev, priority, chunked, ns, ctx) -> InsertResult, or NotImplemented
  * full_lock(node, leaves) -> tokens, full_unlock(node) -> (tokens, root or None)
+ * full_evict(tree, num_tokens, ctx) -> EvictResult: evict without a host tier
  * lock_handle(tree, node_id) -> receipt, unlock_handle(tree, receipt) -> None
  *     lock and unlock themselves, bound to a native tree (the methods take the rare cases)
  *     RadixTree.match_prefix after its root, insert's descent (the whole insert without a host tier), and the
@@ -40,8 +41,8 @@
 
 static PyObject *s_counters, *s_clock, *s_tick, *s_leaves, *s_hleaves, *s_heap, *s_hheap, *s_heap_seq, *s_key_of,
     *s_compact, *s_dver, *s_hver, *s_tag, *s_serial, *s_nodes, *s_evictable, *s_ev, *s_stored, *s_page_b, *s_protected,
-    *s_receipts, *s_lock, *s_unlock, *s_mctx, *s_prune_root;
-static PyObject *heappush;  /* _heapq.heappush */
+    *s_receipts, *s_lock, *s_unlock, *s_mctx, *s_prune_root, *s_roots, *s_span, *s_push_raw;
+static PyObject *heappush, *heappop;  /* _heapq's */
 
 /* A type's __slots__, read and written at their offsets (what their member descriptors do, without the attribute
  * lookup), learned from the first instance of it seen; any other object, or a slot left unset, goes through the
@@ -895,9 +896,10 @@ fail:
 
 /* ---- the plain (FULL-only) tree's lock walks: RadixTree's Node (server/tree/node.py), through its slots ---- */
 enum { FN_PARENT, FN_LOCK, FN_VALUE, FN_DVER, FN_CHILDREN, FN_KEY, FN_ID, FN_ATIME, FN_LOADING, FN_HVER, FN_HIT,
-       FN_PRIO, FN_SLOTS };
+       FN_PRIO, FN_NS, FN_HASHES, FN_SLOTS };
 static const char *const full_names[FN_SLOTS] = {"parent", "lock_ref", "value", "dver", "children", "key", "id",
-                                                 "last_access", "loading", "hver", "hit_count", "priority"};
+                                                 "last_access", "loading", "hver", "hit_count", "priority", "ns",
+                                                 "hashes"};
 static Layout full_layout = {full_names, FN_SLOTS};
 #define fget(obj, k) lget(&full_layout, (obj), (k))
 #define fnode_add(obj, k, delta, now) ladd(&full_layout, (obj), (k), (delta), (now))
@@ -1545,6 +1547,192 @@ done:
     return out;
 }
 
+static const char *const evict_names[] = {"freed", "evicted_tokens", "write_backs", "demoted_tokens", "spilled"};
+static Layout evict_layout = {evict_names, 5};
+static const char *const ecounter_names[] = {"evicted_tokens_device"};
+static Layout ecounters_layout = {ecounter_names, 1};
+
+/* One D-leaf out of the tree (RadixTree._evict_device_only's loop body): out of the leaf set, its parent's children
+ * and the node index, its entry staled; its span onto gone (events on); its parent a D-leaf in turn, or an emptied
+ * namespace root dropped. Its value (a new reference) into *value. */
+static int evict_leaf(PyObject *tree, PyObject *node, PyObject *leaves, PyObject *nodes, PyObject *gone, Py_ssize_t pb,
+                      PyObject *ctx, PyObject **value) {
+    PyObject *parent = NULL, *key = NULL, *first = NULL, *children = NULL, *id = NULL, *plock = NULL,
+             *pparent = NULL, *ns = NULL;
+    Py_ssize_t ver;
+    int ok = -1;
+    *value = NULL;
+    if (gone != NULL) {
+        PyObject *span = fget(node, FN_HASHES);
+        if (span == Py_None) {
+            Py_DECREF(span);
+            span = PyObject_CallMethodOneArg(tree, s_span, node);
+        }
+        int r = span == NULL ? -1 : PyList_Append(gone, span);
+        Py_XDECREF(span);
+        if (r < 0)
+            return -1;
+    }
+    if (PySet_Discard(leaves, node) < 0 || (parent = fget(node, FN_PARENT)) == NULL ||
+        (key = fget(node, FN_KEY)) == NULL)
+        goto done;
+    if (!PyBytes_Check(key) || PyBytes_GET_SIZE(key) < pb) {
+        PyErr_SetString(PyExc_TypeError, "evict: a node's key must be bytes of whole pages");
+        goto done;
+    }
+    if ((first = PyBytes_FromStringAndSize(PyBytes_AS_STRING(key), pb)) == NULL ||
+        (children = fget(parent, FN_CHILDREN)) == NULL || PyObject_DelItem(children, first) < 0 ||
+        (id = fget(node, FN_ID)) == NULL || PyObject_DelItem(nodes, id) < 0 ||
+        ladd(&full_layout, node, FN_DVER, 1, &ver) < 0 || (*value = fget(node, FN_VALUE)) == NULL)
+        goto done;
+    if (!PyBytes_Check(*value)) {
+        PyErr_SetString(PyExc_TypeError, "evict: a D-leaf's value must be packed slots (bytes)");
+        goto done;
+    }
+    if (PyDict_GET_SIZE(children) == 0) {  /* an emptied, unlocked parent: a D-leaf now, or a root to drop */
+        if ((plock = fget(parent, FN_LOCK)) == NULL || (pparent = fget(parent, FN_PARENT)) == NULL)
+            goto done;
+        int unlocked = PyLong_Check(plock) && PyLong_AsSsize_t(plock) == 0;
+        if (unlocked && pparent != Py_None) {
+            if (PySet_Add(leaves, parent) < 0 || heap_push(tree, parent, 0, leaves, ctx) < 0)
+                goto done;
+        } else if (unlocked) {
+            if ((ns = fget(parent, FN_NS)) == NULL)
+                goto done;
+            int dflt = PyObject_RichCompareBool(ns, PyTuple_GET_ITEM(ctx, 1), Py_EQ);
+            if (dflt < 0)
+                goto done;
+            if (!dflt) {
+                PyObject *roots = PyObject_GetAttr(tree, s_roots), *pid = fget(parent, FN_ID);
+                int r = roots == NULL || pid == NULL || PyObject_DelItem(roots, ns) < 0 ||
+                        PyObject_DelItem(nodes, pid) < 0 ? -1 : 0;
+                Py_XDECREF(roots);
+                Py_XDECREF(pid);
+                if (r < 0)
+                    goto done;
+            }
+        }
+    }
+    ok = 0;
+done:
+    if (ok < 0)
+        Py_CLEAR(*value);
+    Py_XDECREF(parent);
+    Py_XDECREF(key);
+    Py_XDECREF(first);
+    Py_XDECREF(children);
+    Py_XDECREF(id);
+    Py_XDECREF(plock);
+    Py_XDECREF(pparent);
+    Py_XDECREF(ns);
+    return ok;
+}
+
+/* full_evict(tree, num_tokens, ctx) -> EvictResult: RadixTree.evict without a host tier (_evict_device_only): D-leaves
+ * in policy order (stale heap entries skipped) until num_tokens are freed, one REMOVED record for them all (events on),
+ * the sizes and the counter, the heap compacted past its bound, the freed slots end to end. ctx: (EvictResult,
+ * default namespace, REMOVED, GPU, empty, int32 dtype, no slots, LRU key, heap slack, heap floor). */
+static PyObject *full_evict(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyTuple_Check(args[2]) || PyTuple_GET_SIZE(args[2]) != 10) {
+        PyErr_SetString(PyExc_TypeError, "full_evict(tree, num_tokens, ctx: (EvictResult, default_ns, REMOVED, GPU, "
+                                         "empty, int32, no_slots, lru_key, heap_slack, heap_floor))");
+        return NULL;
+    }
+    PyObject *tree = args[0], *ctx = args[2];
+    Py_ssize_t want = PyLong_AsSsize_t(args[1]), count = 0, total = 0;
+    if (want == -1 && PyErr_Occurred())
+        return NULL;
+    PyObject *heap = PyObject_GetAttr(tree, s_heap), *leaves = heap ? PyObject_GetAttr(tree, s_leaves) : NULL,
+             *nodes = leaves ? PyObject_GetAttr(tree, s_nodes) : NULL, *ev = nodes ? PyObject_GetAttr(tree, s_ev) : NULL,
+             *pbo = ev ? PyObject_GetAttr(tree, s_page_b) : NULL, *freed = NULL, *gone = NULL, *out = NULL,
+             *indices = NULL, *counters = NULL;
+    Py_ssize_t pb = pbo ? PyLong_AsSsize_t(pbo) : -1;
+    if (pb == -1 || (freed = PyList_New(0)) == NULL || (ev != Py_None && (gone = PyList_New(0)) == NULL))
+        goto done;
+    if (!PyList_Check(heap) || !PySet_Check(leaves) || !PyDict_Check(nodes) || pb <= 0) {
+        PyErr_SetString(PyExc_TypeError, "full_evict: the tree's heap, leaf set, node index or page are not as built");
+        goto done;
+    }
+    while (count < want && PyList_GET_SIZE(heap) > 0) {
+        PyObject *entry = PyObject_CallOneArg(heappop, heap);
+        if (entry == NULL)
+            goto done;
+        if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 4) {
+            Py_DECREF(entry);
+            PyErr_SetString(PyExc_TypeError, "full_evict: a heap entry must be (key, seq, version, node)");
+            goto done;
+        }
+        PyObject *node = PyTuple_GET_ITEM(entry, 3), *dver = fget(node, FN_DVER), *value = NULL;
+        int live = dver == NULL ? -1 : PyObject_RichCompareBool(PyTuple_GET_ITEM(entry, 2), dver, Py_EQ);
+        Py_XDECREF(dver);
+        if (live > 0)
+            live = PySet_Contains(leaves, node);
+        if (live > 0 && evict_leaf(tree, node, leaves, nodes, gone, pb, ctx, &value) < 0)
+            live = -1;
+        Py_DECREF(entry);
+        if (live < 0)
+            goto done;
+        if (value != NULL) {
+            total += PyBytes_GET_SIZE(value);
+            count += PyBytes_GET_SIZE(value) >> 2;
+            int r = PyList_Append(freed, value);
+            Py_DECREF(value);
+            if (r < 0)
+                goto done;
+        }
+    }
+    if (gone != NULL && PyList_GET_SIZE(gone) > 0) {
+        PyObject *rec = PyTuple_Pack(3, PyTuple_GET_ITEM(ctx, 2), gone, PyTuple_GET_ITEM(ctx, 3));
+        PyObject *r = rec ? PyObject_CallMethodOneArg(ev, s_push_raw, rec) : NULL;
+        Py_XDECREF(rec);
+        if (r == NULL)
+            goto done;
+        Py_DECREF(r);
+    }
+    Py_ssize_t now, slack = PyLong_AsSsize_t(PyTuple_GET_ITEM(ctx, 8)), floor = PyLong_AsSsize_t(PyTuple_GET_ITEM(ctx, 9));
+    if (PyErr_Occurred() || tree_add(tree, s_evictable, -count) < 0 ||
+        (counters = PyObject_GetAttr(tree, s_counters)) == NULL)
+        goto done;
+    layout_of(&ecounters_layout, Py_TYPE(counters));
+    if (ladd(&ecounters_layout, counters, 0, count, &now) < 0)
+        goto done;
+    if (PyList_GET_SIZE(heap) > slack * PySet_GET_SIZE(leaves) + floor) {
+        PyObject *r = PyObject_CallMethodObjArgs(tree, s_compact, heap, leaves, s_dver, NULL);
+        if (r == NULL)
+            goto done;
+        Py_DECREF(r);
+    }
+    if (total == 0) {
+        indices = Py_NewRef(PyTuple_GET_ITEM(ctx, 6));
+    } else {
+        Py_buffer w;
+        if ((indices = new_vector(total / 4, 0, PyTuple_GET_ITEM(ctx, 4), PyTuple_GET_ITEM(ctx, 5))) == NULL ||
+            PyObject_GetBuffer(indices, &w, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+            goto done;
+        char *dst = w.buf;
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(freed); i++) {
+            PyObject *v = PyList_GET_ITEM(freed, i);
+            memcpy(dst, PyBytes_AS_STRING(v), (size_t)PyBytes_GET_SIZE(v));
+            dst += PyBytes_GET_SIZE(v);
+        }
+        PyBuffer_Release(&w);
+    }
+    PyObject *res[5] = {indices, PyLong_FromSsize_t(count), PyTuple_New(0), PyLong_FromLong(0), PyTuple_New(0)};
+    indices = NULL;
+    out = make_result(&evict_layout, PyTuple_GET_ITEM(ctx, 0), res, 5);
+done:
+    Py_XDECREF(heap);
+    Py_XDECREF(leaves);
+    Py_XDECREF(nodes);
+    Py_XDECREF(ev);
+    Py_XDECREF(pbo);
+    Py_XDECREF(freed);
+    Py_XDECREF(gone);
+    Py_XDECREF(indices);
+    Py_XDECREF(counters);
+    return out;
+}
+
 static const char *const match_names[] = {"indices", "matched_len", "host_hit_len", "node_id", "best_node_id"};
 static Layout match_layout = {match_names, 5};
 
@@ -1678,6 +1866,8 @@ static PyMethodDef methods[] = {
      "RadixTree.match_prefix after its root: walk, split, counters, ticks, refresh, the device slots."},
     {"full_descend", (PyCFunction)(void (*)(void))full_descend, METH_FASTCALL,
      "RadixTree.insert's descent: (path, the key's tail for a new leaf or None)."},
+    {"full_evict", (PyCFunction)(void (*)(void))full_evict, METH_FASTCALL,
+     "RadixTree.evict without a host tier: D-leaves in policy order until enough is freed; the freed slots."},
     {"lock_handle", (PyCFunction)(void (*)(void))lock_handle, METH_FASTCALL,
      "RadixTree.lock on a device-resident node (native trees bind it as tree.lock); anything else: the method."},
     {"unlock_handle", (PyCFunction)(void (*)(void))unlock_handle, METH_FASTCALL,
@@ -1702,7 +1892,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_hwalk", "The radix 
 
 PyMODINIT_FUNC PyInit__hwalk(void) {
     Layout *layouts[] = {&node_layout, &full_layout, &counters_layout, &result_layout, &match_layout, &insert_layout,
-                         &icounters_layout};
+                         &icounters_layout, &evict_layout, &ecounters_layout};
     for (size_t i = 0; i < sizeof(layouts) / sizeof(layouts[0]); i++)
         for (int k = 0; k < layouts[i]->n; k++)
             if ((layouts[i]->names[k] = PyUnicode_InternFromString(layouts[i]->cnames[k])) == NULL)
@@ -1713,14 +1903,16 @@ PyMODINIT_FUNC PyInit__hwalk(void) {
         {&s_key_of, "_key_of"}, {&s_compact, "_compact"}, {&s_dver, "dver"}, {&s_hver, "hver"}, {&s_tag, "_tag"},
         {&s_serial, "_serial"}, {&s_nodes, "_nodes"}, {&s_evictable, "evictable_size"}, {&s_ev, "_ev"},
         {&s_stored, "_stored"}, {&s_page_b, "_page_b"}, {&s_protected, "protected_size"}, {&s_receipts, "_receipts"},
-        {&s_lock, "lock"}, {&s_unlock, "unlock"}, {&s_mctx, "_mctx"}, {&s_prune_root, "_prune_root"}};
+        {&s_lock, "lock"}, {&s_unlock, "unlock"}, {&s_mctx, "_mctx"}, {&s_prune_root, "_prune_root"},
+        {&s_roots, "_roots"}, {&s_span, "_span"}, {&s_push_raw, "push_raw"}};
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
         if ((*names[i].at = PyUnicode_InternFromString(names[i].name)) == NULL)
             return NULL;
     PyObject *hq = PyImport_ImportModule("_heapq");
     heappush = hq ? PyObject_GetAttrString(hq, "heappush") : NULL;
+    heappop = hq ? PyObject_GetAttrString(hq, "heappop") : NULL;
     Py_XDECREF(hq);
-    if (heappush == NULL)
+    if (heappush == NULL || heappop == NULL)
         return NULL;
     return PyModule_Create(&module);
 }

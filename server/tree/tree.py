@@ -146,6 +146,8 @@ class RadixTree(TransferMixin, StorageMixin):
         # what the C match builds with, and the lazy heaps' bound it keeps when it re-pushes a leaf
         self._mctx = (MatchResult, np.empty, _I32, _EMPTY, page_size, POLICIES["lru"], HEAP_SLACK, HEAP_FLOOR)
         self._ictx = (InsertResult, Node, GPU, np.empty, _I32, _EMPTY, POLICIES["lru"], HEAP_SLACK, HEAP_FLOOR)
+        self._ectx = (EvictResult, DEFAULT_NS, REMOVED, GPU, np.empty, _I32, _EMPTY, POLICIES["lru"], HEAP_SLACK,
+                      HEAP_FLOOR)
         self._seeds: dict[Namespace, Optional[bytes]] = {}
         self._hfmt = (self._page_b, self.bigram)  # shared by every lazy digest run (hashes.py)
         self._root(DEFAULT_NS)
@@ -752,7 +754,9 @@ class RadixTree(TransferMixin, StorageMixin):
         A backed-up leaf is demoted (kept host-only); an unbacked one is deleted, or under write-back
         handed back as a write-back action whose tokens count toward num_tokens.
         """
-        if not self.host:
+        if not self.host:  # the whole of it in C; _evict_device_only is its reference
+            if self._walk is not None:
+                return self._walk.full_evict(self, num_tokens, self._ectx)
             return self._evict_device_only(num_tokens)
         freed: list[bytes] = []
         count = demoted = wb_tokens = 0
