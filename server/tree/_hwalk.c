@@ -1021,17 +1021,30 @@ static int fnode_set(PyObject *obj, int k, PyObject *v) {  /* steals v */
     return r;
 }
 
-/* tree.<name> += 1; the new value into *now. */
-static int tree_bump(PyObject *tree, PyObject *name, Py_ssize_t *now) {
+/* tree.<name> += delta; the new value into *now (may be NULL). */
+static int tree_add(PyObject *tree, PyObject *name, Py_ssize_t delta, Py_ssize_t *now) {
     PyObject *v = PyObject_GetAttr(tree, name);
     Py_ssize_t x = v ? PyLong_AsSsize_t(v) : -1;
     Py_XDECREF(v);
     if (x == -1 && PyErr_Occurred())
         return -1;
-    v = PyLong_FromSsize_t(*now = x + 1);
+    if (now != NULL)
+        *now = x + delta;
+    v = PyLong_FromSsize_t(x + delta);
     int r = v == NULL ? -1 : PyObject_SetAttr(tree, name, v);
     Py_XDECREF(v);
     return r;
+}
+
+/* RadixTree._mint: the next handle, the tree's tag | its next serial (a new reference). */
+static PyObject *tree_mint(PyObject *tree) {
+    Py_ssize_t serial;
+    PyObject *tag = PyObject_GetAttr(tree, s_tag), *sv = NULL, *out = NULL;
+    if (tag != NULL && tree_add(tree, s_serial, 1, &serial) == 0 && (sv = PyLong_FromSsize_t(serial)) != NULL)
+        out = PyNumber_Or(tag, sv);
+    Py_XDECREF(tag);
+    Py_XDECREF(sv);
+    return out;
 }
 
 /* The leaf heap entry of a node (device, or host), pushed under its current policy key, as RadixTree._add_leaf and
@@ -1044,7 +1057,7 @@ static int heap_push(PyObject *tree, PyObject *node, int host, PyObject *leaves,
     PyObject *key_of = NULL, *key = NULL, *entry = NULL, *heap = NULL, *r = NULL;
     int ok = -1;
     if (PyErr_Occurred() || ladd(&full_layout, node, host ? FN_HVER : FN_DVER, 1, &ver) < 0 ||
-        tree_bump(tree, s_heap_seq, &seq) < 0 || (key_of = PyObject_GetAttr(tree, s_key_of)) == NULL)
+        tree_add(tree, s_heap_seq, 1, &seq) < 0 || (key_of = PyObject_GetAttr(tree, s_key_of)) == NULL)
         goto out;
     if (key_of == PyTuple_GET_ITEM(ctx, n - 3)) {  /* LRU's key, (node.last_access,), built here: no call */
         PyObject *atime = fget(node, FN_ATIME);
@@ -1228,31 +1241,14 @@ static Layout insert_layout = {insert_names, 7};
 static const char *const icounter_names[] = {"inserted_tokens"};
 static Layout icounters_layout = {icounter_names, 1};
 
-static int tree_add(PyObject *tree, PyObject *name, Py_ssize_t delta) {  /* tree.<name> += delta */
-    PyObject *v = PyObject_GetAttr(tree, name);
-    Py_ssize_t x = v ? PyLong_AsSsize_t(v) : -1;
-    Py_XDECREF(v);
-    if (x == -1 && PyErr_Occurred())
-        return -1;
-    v = PyLong_FromSsize_t(x + delta);
-    int r = v == NULL ? -1 : PyObject_SetAttr(tree, name, v);
-    Py_XDECREF(v);
-    return r;
-}
-
 /* A new leaf under parent (RadixTree.insert's tail, device only): id minted, the next tick, in parent's children, the
  * node index and the D-leaf set; parent leaves that set; evictable tokens grow; a STORED event when events are on. */
 static PyObject *new_leaf(PyObject *tree, PyObject *parent, const char *kb, const char *vb, Py_ssize_t len,
                           Py_ssize_t pb, Py_ssize_t tick, PyObject *priority, int chunked, PyObject *ns,
                           PyObject *ctx) {
-    Py_ssize_t serial, ver;
-    PyObject *tag = PyObject_GetAttr(tree, s_tag), *id = NULL, *key = NULL, *val = NULL, *leaf = NULL, *first = NULL,
-             *children = NULL, *nodes = NULL, *leaves = NULL, *ev = NULL, *out = NULL;
-    if (tag == NULL || tree_bump(tree, s_serial, &serial) < 0)
-        goto done;
-    PyObject *sv = PyLong_FromSsize_t(serial);
-    id = sv ? PyNumber_Or(tag, sv) : NULL;
-    Py_XDECREF(sv);
+    Py_ssize_t ver;
+    PyObject *id = tree_mint(tree), *key = NULL, *val = NULL, *leaf = NULL, *first = NULL, *children = NULL,
+             *nodes = NULL, *leaves = NULL, *ev = NULL, *out = NULL;
     if (id == NULL || (key = PyBytes_FromStringAndSize(kb, len)) == NULL ||
         (val = PyBytes_FromStringAndSize(vb, len)) == NULL || (first = PyBytes_FromStringAndSize(kb, pb)) == NULL)
         goto done;
@@ -1263,7 +1259,7 @@ static PyObject *new_leaf(PyObject *tree, PyObject *parent, const char *kb, cons
     Py_DECREF(targs[4]);
     if (leaf == NULL || (children = fget(parent, FN_CHILDREN)) == NULL || PyDict_SetItem(children, first, leaf) < 0 ||
         (nodes = PyObject_GetAttr(tree, s_nodes)) == NULL || PyDict_SetItem(nodes, id, leaf) < 0 ||
-        tree_add(tree, s_evictable, len / 4) < 0 || (leaves = PyObject_GetAttr(tree, s_leaves)) == NULL)
+        tree_add(tree, s_evictable, len / 4, NULL) < 0 || (leaves = PyObject_GetAttr(tree, s_leaves)) == NULL)
         goto done;
     int in = PySet_Discard(leaves, parent);  /* RadixTree._drop_leaf(parent) */
     if (in < 0 || (in && ladd(&full_layout, parent, FN_DVER, 1, &ver) < 0))
@@ -1281,7 +1277,6 @@ static PyObject *new_leaf(PyObject *tree, PyObject *parent, const char *kb, cons
     }
     out = Py_NewRef(leaf);
 done:
-    Py_XDECREF(tag);
     Py_XDECREF(id);
     Py_XDECREF(key);
     Py_XDECREF(val);
@@ -1431,7 +1426,7 @@ done:
 }
 
 static int tree_move(PyObject *tree, Py_ssize_t tokens) {  /* evictable -> protected (tokens < 0: back) */
-    return tokens == 0 ? 0 : (tree_add(tree, s_evictable, -tokens) < 0 || tree_add(tree, s_protected, tokens) < 0) ? -1 : 0;
+    return tokens == 0 ? 0 : (tree_add(tree, s_evictable, -tokens, NULL) < 0 || tree_add(tree, s_protected, tokens, NULL) < 0) ? -1 : 0;
 }
 
 /* lock_handle(tree, node_id) -> receipt: RadixTree.lock for a device-resident node, called as tree.lock when the tree is
@@ -1464,13 +1459,8 @@ static PyObject *lock_handle(PyObject *Py_UNUSED(self), PyObject *const *args, P
         return PyObject_CallMethodObjArgs((PyObject *)Py_TYPE(tree), s_lock, tree, args[1], NULL);
     }
     Py_DECREF(value);
-    PyObject *tag = PyObject_GetAttr(tree, s_tag), *receipt = NULL, *leaves = NULL, *receipts = NULL, *entry = NULL;
-    Py_ssize_t serial, newly;
-    if (tag == NULL || tree_bump(tree, s_serial, &serial) < 0)
-        goto done;
-    PyObject *sv = PyLong_FromSsize_t(serial);
-    receipt = sv ? PyNumber_Or(tag, sv) : NULL;
-    Py_XDECREF(sv);
+    PyObject *receipt = tree_mint(tree), *leaves = NULL, *receipts = NULL, *entry = NULL;
+    Py_ssize_t newly;
     if (receipt == NULL || (leaves = PyObject_GetAttr(tree, s_leaves)) == NULL)
         goto done;
     if (!PySet_Check(leaves)) {
@@ -1482,7 +1472,6 @@ static PyObject *lock_handle(PyObject *Py_UNUSED(self), PyObject *const *args, P
         PyObject_SetItem(receipts, receipt, entry) < 0)
         Py_CLEAR(receipt);
 done:
-    Py_XDECREF(tag);
     Py_XDECREF(leaves);
     Py_XDECREF(receipts);
     Py_XDECREF(entry);
@@ -1690,7 +1679,7 @@ static PyObject *full_evict(PyObject *Py_UNUSED(self), PyObject *const *args, Py
         Py_DECREF(r);
     }
     Py_ssize_t now, slack = PyLong_AsSsize_t(PyTuple_GET_ITEM(ctx, 8)), floor = PyLong_AsSsize_t(PyTuple_GET_ITEM(ctx, 9));
-    if (PyErr_Occurred() || tree_add(tree, s_evictable, -count) < 0 ||
+    if (PyErr_Occurred() || tree_add(tree, s_evictable, -count, NULL) < 0 ||
         (counters = PyObject_GetAttr(tree, s_counters)) == NULL)
         goto done;
     layout_of(&ecounters_layout, Py_TYPE(counters));
