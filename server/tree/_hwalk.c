@@ -1628,8 +1628,10 @@ static PyObject *full_evict(PyObject *Py_UNUSED(self), PyObject *const *args, Py
         return NULL;
     }
     PyObject *tree = args[0], *ctx = args[2];
-    Py_ssize_t want = PyLong_AsSsize_t(args[1]), count = 0, total = 0;
-    if (want == -1 && PyErr_Occurred())
+    int over;
+    long long asked = PyLong_AsLongLongAndOverflow(args[1], &over);  /* a wire value may exceed 64 signed bits */
+    Py_ssize_t want = over > 0 ? PY_SSIZE_T_MAX : over < 0 ? PY_SSIZE_T_MIN : (Py_ssize_t)asked, count = 0, total = 0;
+    if (asked == -1 && !over && PyErr_Occurred())
         return NULL;
     PyObject *heap = PyObject_GetAttr(tree, s_heap), *leaves = heap ? PyObject_GetAttr(tree, s_leaves) : NULL,
              *nodes = leaves ? PyObject_GetAttr(tree, s_nodes) : NULL, *ev = nodes ? PyObject_GetAttr(tree, s_ev) : NULL,
