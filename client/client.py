@@ -31,6 +31,7 @@ class _Base:
         self._creds = _credentials(tls)
         self.session_id = ""
         self.instance_id = ""
+        self.event_seq = 0  # KV events: the first batch after every store this client made (CacheUnfinished)
 
     def _restart_check(self, err: RadixdError, current_instance: str) -> RadixdError:
         if current_instance and self.instance_id and current_instance != self.instance_id:
@@ -188,6 +189,7 @@ class CacheClient(_Base):
 
     def cache_unfinished(self, items: Iterable[dict]) -> list[tuple[codec.Inserted, codec.Match]]:
         resp = self._call("CacheUnfinished", codec.insert_request(pb.CacheUnfinishedRequest, self.session_id, items))
+        self.event_seq = max(self.event_seq, resp.event_seq)
         return [(codec.inserted([r.insert])[0],
                  codec.Match(codec.slots_array(r.device_indices), r.matched_len, 0, r.node_id, r.receipt_id))
                 for r in resp.results]

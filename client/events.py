@@ -1,6 +1,7 @@
 """Following radixd's KV events: a gRPC watcher, a ZMQ payload decoder and a router-side block index."""
 from __future__ import annotations
 
+import logging
 import threading
 from collections import Counter
 from typing import Any, Iterator, Optional
@@ -12,6 +13,7 @@ from radixd.proto import cache_pb2_grpc as pb_grpc
 from radixd.server.tree.hashes import token_block_hashes
 
 MEDIA = ("GPU", "CPU_PINNED")
+log = logging.getLogger("radixd.events")
 
 
 def watch(target: str, from_seq: Optional[int] = None, follow: bool = True, token: Optional[str] = None,
@@ -85,35 +87,62 @@ def _key(ev: dict) -> str:
 
 
 class BlockIndex:
-    """What a cache-aware router keeps: per node and medium, the block hashes it holds (a multiset)."""
+    """What a cache-aware router keeps: per node and medium, the block hashes it holds (a multiset). Followed
+    with a snapshot (`follow_grpc(..., snapshot=True)`) it is complete and knows how far it has read, so an
+    engine can answer "radixd holds nothing of this prompt" without a round trip."""
 
     def __init__(self, page_size: int):
         self.page_size = page_size
         self._nodes: dict[str, dict[str, Counter]] = {}
         self._lock = threading.Lock()
         self.resyncs = 0  # gaps or losses reported by a stream
+        self.seen: dict[str, int] = {}  # node -> the first batch seq not applied yet (snapshot followers)
+        self._ready: set[str] = set()  # nodes whose snapshot is applied and whose stream is live
+        self._calls: list = []  # gRPC streams of the followers, cancelled by close()
+        self.threads: list[threading.Thread] = []  # snapshot followers (one ends for good on a server without events)
+        self._closed = threading.Event()
+
+    @staticmethod
+    def _apply(media: dict[str, Counter], events: list[dict]) -> None:
+        for ev in events:
+            kind = ev["type"]
+            if kind == "BlockStored":
+                media.setdefault(_key(ev), Counter()).update(ev["block_hashes"])
+            elif kind == "BlockRemoved":  # one pass (Counter.subtract is a Python loop of its own)
+                c = media.setdefault(_key(ev), Counter())
+                get, pop = c.get, c.pop  # dict's own: Counter.__delitem__ is Python too
+                for h in ev["block_hashes"]:
+                    n = get(h, 0)
+                    if n > 1:
+                        c[h] = n - 1
+                    elif n:
+                        pop(h)
+            else:
+                for c in media.values():
+                    c.clear()
+
+    @classmethod
+    def _apply_batch(cls, media: dict[str, Counter], batch: pb.EventBatch) -> None:
+        """A gRPC batch straight from its messages: only the hashes (no token lists, little GIL time)."""
+        for ev in batch.events:
+            kind = ev.WhichOneof("kind")
+            if kind == "stored":
+                s = ev.stored
+                key = s.medium if not s.group_idx else f"{s.medium}/{s.group_idx}"
+                media.setdefault(key, Counter()).update(s.block_hashes)
+            elif kind == "removed":
+                r = ev.removed
+                key = r.medium if not r.group_idx else f"{r.medium}/{r.group_idx}"
+                cls._apply(media, [dict(type="BlockRemoved", block_hashes=r.block_hashes, medium=key)])
+            else:
+                for c in media.values():
+                    c.clear()
 
     def apply(self, node: str, events: list[dict]) -> None:
         """Apply event dicts (from gRPC or ZMQ) of one node in stream order. A hybrid model's events carry a
         KV cache group: group 0 (FULL) counts as the medium itself, group g > 0 under "MEDIUM/g"."""
         with self._lock:
-            media = self._nodes.setdefault(node, {m: Counter() for m in MEDIA})
-            for ev in events:
-                kind = ev["type"]
-                if kind == "BlockStored":
-                    media.setdefault(_key(ev), Counter()).update(ev["block_hashes"])
-                elif kind == "BlockRemoved":  # one pass (Counter.subtract is a Python loop of its own)
-                    c = media.setdefault(_key(ev), Counter())
-                    get, pop = c.get, c.pop  # dict's own: Counter.__delitem__ is Python too
-                    for h in ev["block_hashes"]:
-                        n = get(h, 0)
-                        if n > 1:
-                            c[h] = n - 1
-                        elif n:
-                            pop(h)
-                else:
-                    for c in media.values():
-                        c.clear()
+            self._apply(self._nodes.setdefault(node, {m: Counter() for m in MEDIA}), events)
 
     def blocks(self, node: str, medium: str, group: int = 0) -> Counter:
         with self._lock:
@@ -130,6 +159,21 @@ class BlockIndex:
                 both = next((i for i, h in enumerate(hashes) if h not in gpu and h not in cpu), len(hashes))
                 out[node] = {"GPU": dev, "any": both}
         return out
+
+    def leading(self, node: str, tokens: Any, cache_salt: str = "", media: tuple[str, ...] = MEDIA,
+                pages: Optional[int] = None) -> int:
+        """Leading whole pages of `tokens` (hashing at most `pages` of them) held by `node` on any of `media`."""
+        n = len(tokens) // self.page_size if pages is None else min(pages, len(tokens) // self.page_size)
+        hashes = token_block_hashes(tokens[:n * self.page_size], self.page_size, cache_salt)
+        with self._lock:
+            have = [c for m, c in self._nodes.get(node, {}).items() if m in media]
+            return next((i for i, h in enumerate(hashes) if not any(h in c for c in have)), len(hashes))
+
+    def current(self, node: str, seq: int = 0) -> bool:
+        """Whether this index holds `node`'s whole state (its snapshot applied, its stream live) as of every
+        batch before `seq` at least (a CacheUnfinished answer's event_seq: the client's own stores)."""
+        with self._lock:
+            return node in self._ready and self.seen.get(node, 0) >= seq
 
     def follow_zmq(self, node: str, endpoint: str, replay_endpoint: str = "", topic: bytes = b"") -> threading.Thread:
         """Follow a node's ZMQ PUB socket in a daemon thread; on a sequence gap, replay the missing batches."""
@@ -156,14 +200,70 @@ class BlockIndex:
         return t
 
     def follow_grpc(self, node: str, target: str, token: Optional[str] = None,
-                    from_seq: Optional[int] = 0) -> threading.Thread:
-        """Follow a node over gRPC in a daemon thread (replaying from `from_seq`)."""
+                    from_seq: Optional[int] = 0, snapshot: bool = False,
+                    channel: Optional[grpc.Channel] = None, retry_s: float = 1.0) -> threading.Thread:
+        """Follow a node over gRPC in a daemon thread: replaying from `from_seq`, or (snapshot) from the node's
+        whole state, taken again whenever the stream breaks or reports a gap or a loss (`current` is false
+        until it is applied)."""
+        if not snapshot:
+            def run() -> None:
+                for batch in watch(target, from_seq, True, token, channel):
+                    if batch.gap or batch.lost:
+                        self.resyncs += 1
+                        continue
+                    self.apply(node, event_dicts(batch))
+            t = threading.Thread(target=run, daemon=True, name=f"blockindex-{node}")
+            t.start()
+            return t
+        ch = channel or grpc.insecure_channel(target if "://" in target else f"unix://{target}")
+        stub = pb_grpc.RadixCacheStub(ch)
+        meta = (("authorization", f"Bearer {token}"),) if token else ()
+
         def run() -> None:
-            for batch in watch(target, from_seq, True, token):
-                if batch.gap or batch.lost:
-                    self.resyncs += 1
-                    continue
-                self.apply(node, event_dicts(batch))
+            while not self._closed.is_set():
+                call = stub.WatchEvents(pb.WatchEventsRequest(follow=True, snapshot=True), metadata=meta)
+                with self._lock:
+                    self._calls.append(call)
+                try:
+                    self._stream(node, call)
+                except grpc.RpcError as e:
+                    if self._closed.is_set() or e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                        return  # closed, or the server records no events: never current
+                    log.info("radixd events stream to %s broke (%s): resynchronising", target, e.code())
+                finally:
+                    with self._lock:
+                        self._ready.discard(node)
+                        self._calls.remove(call)
+                self.resyncs += 1
+                self._closed.wait(retry_s)
         t = threading.Thread(target=run, daemon=True, name=f"blockindex-{node}")
         t.start()
+        self.threads.append(t)
         return t
+
+    def _stream(self, node: str, call) -> None:
+        """One snapshot stream: the snapshot built aside and swapped in whole, then live batches in order."""
+        fresh: dict[str, Counter] = {m: Counter() for m in MEDIA}
+        for batch in call:
+            if batch.gap or batch.lost:
+                return
+            if batch.snapshot:
+                self._apply_batch(fresh, batch)
+                if not batch.snapshot_more:
+                    with self._lock:
+                        self._nodes[node], self.seen[node] = fresh, batch.seq
+                        self._ready.add(node)
+                continue
+            with self._lock:
+                if batch.seq != self.seen.get(node):  # never expected: a stream is gapless; start again
+                    return
+                self._apply_batch(self._nodes[node], batch)
+                self.seen[node] = batch.seq + 1
+
+    def close(self) -> None:
+        """Stop the snapshot followers (their streams are cancelled)."""
+        self._closed.set()
+        with self._lock:
+            calls = list(self._calls)
+        for c in calls:
+            c.cancel()

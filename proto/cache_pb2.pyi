@@ -417,10 +417,12 @@ class UnfinishedResult(_message.Message):
     def __init__(self, insert: _Optional[_Union[InsertResult, _Mapping]] = ..., device_indices: _Optional[bytes] = ..., matched_len: _Optional[int] = ..., node_id: _Optional[int] = ..., receipt_id: _Optional[int] = ..., swa_indices: _Optional[bytes] = ...) -> None: ...
 
 class CacheUnfinishedResponse(_message.Message):
-    __slots__ = ("results",)
+    __slots__ = ("results", "event_seq")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SEQ_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[UnfinishedResult]
-    def __init__(self, results: _Optional[_Iterable[_Union[UnfinishedResult, _Mapping]]] = ...) -> None: ...
+    event_seq: int
+    def __init__(self, results: _Optional[_Iterable[_Union[UnfinishedResult, _Mapping]]] = ..., event_seq: _Optional[int] = ...) -> None: ...
 
 class EvictRequest(_message.Message):
     __slots__ = ("num_tokens", "host_tokens", "swa_tokens", "mamba_states")
@@ -645,12 +647,14 @@ class EchoResponse(_message.Message):
     def __init__(self, payload: _Optional[bytes] = ...) -> None: ...
 
 class WatchEventsRequest(_message.Message):
-    __slots__ = ("from_seq", "follow")
+    __slots__ = ("from_seq", "follow", "snapshot")
     FROM_SEQ_FIELD_NUMBER: _ClassVar[int]
     FOLLOW_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     from_seq: int
     follow: bool
-    def __init__(self, from_seq: _Optional[int] = ..., follow: _Optional[bool] = ...) -> None: ...
+    snapshot: bool
+    def __init__(self, from_seq: _Optional[int] = ..., follow: _Optional[bool] = ..., snapshot: _Optional[bool] = ...) -> None: ...
 
 class BlockStoredEvent(_message.Message):
     __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "medium", "cache_salt", "lora_name", "bigram", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window")
@@ -703,7 +707,7 @@ class KvEvent(_message.Message):
     def __init__(self, stored: _Optional[_Union[BlockStoredEvent, _Mapping]] = ..., removed: _Optional[_Union[BlockRemovedEvent, _Mapping]] = ..., cleared: _Optional[_Union[AllBlocksClearedEvent, _Mapping]] = ...) -> None: ...
 
 class EventBatch(_message.Message):
-    __slots__ = ("seq", "ts", "events", "gap", "lost", "first_seq", "message")
+    __slots__ = ("seq", "ts", "events", "gap", "lost", "first_seq", "message", "snapshot", "snapshot_more")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TS_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
@@ -711,6 +715,8 @@ class EventBatch(_message.Message):
     LOST_FIELD_NUMBER: _ClassVar[int]
     FIRST_SEQ_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_MORE_FIELD_NUMBER: _ClassVar[int]
     seq: int
     ts: float
     events: _containers.RepeatedCompositeFieldContainer[KvEvent]
@@ -718,4 +724,6 @@ class EventBatch(_message.Message):
     lost: bool
     first_seq: int
     message: str
-    def __init__(self, seq: _Optional[int] = ..., ts: _Optional[float] = ..., events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ..., gap: _Optional[bool] = ..., lost: _Optional[bool] = ..., first_seq: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    snapshot: bool
+    snapshot_more: bool
+    def __init__(self, seq: _Optional[int] = ..., ts: _Optional[float] = ..., events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ..., gap: _Optional[bool] = ..., lost: _Optional[bool] = ..., first_seq: _Optional[int] = ..., message: _Optional[str] = ..., snapshot: _Optional[bool] = ..., snapshot_more: _Optional[bool] = ...) -> None: ...

@@ -402,10 +402,12 @@ async def _run(cfg: Config, core: CacheCore, instance_id: str, sockets: list[str
     metrics = Metrics(core)
     if core.tree.events_enabled:
         try:
-            take = core.take_records if getattr(core, "host_tier", None) is not None else core.tree.take_records
+            both = getattr(core, "host_tier", None) is not None  # a hybrid core's two trees
+            take = core.take_records if both else core.tree.take_records
             core.attach_events(EventHub(take, core.tree.raw_events, cfg.kv_events_buffer,
                                         cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint, cfg.kv_events_topic,
-                                        cfg.kv_events_watcher_queue))
+                                        cfg.kv_events_watcher_queue,
+                                        snapshot=core.snapshot_records if both else core.tree.snapshot_records))
             await core.events.start()
         except ValueError as e:
             msg = str(e)

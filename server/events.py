@@ -34,7 +34,7 @@ import numpy as np
 
 from radixd.proto import cache_pb2 as pb
 
-from .tree.events import BlockRemoved, BlockStored, Event, RawEvents
+from .tree.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, RawEvents
 
 try:  # resolve digests and encode the msgpack batch in C, the GIL released (setup.py builds it with OpenSSL)
     from ._kvevents import encode_batch as _native_encode
@@ -171,8 +171,9 @@ class EventHub:
     """Sequences the tree's events into batches and fans them out; `flush()` after every change."""
 
     def __init__(self, take: Callable[[], tuple[list, int]], wrap: Callable[[list], RawEvents], buffer: int = 10000,
-                 endpoint: str = "", replay_endpoint: str = "", topic: str = "", watcher_limit: int = 4096):
-        self._take, self._wrap = take, wrap
+                 endpoint: str = "", replay_endpoint: str = "", topic: str = "", watcher_limit: int = 4096,
+                 snapshot: Optional[Callable[[], list]] = None):
+        self._take, self._wrap, self._snapshot = take, wrap, snapshot
         self.buffer: deque[Batch] = deque(maxlen=buffer)
         self.next_seq = 0  # the next sequence number flush() hands out
         self.published_seq = 0  # the next one to be published (the publisher thread may be behind)
@@ -254,6 +255,28 @@ class EventHub:
         await asyncio.wait([fut])
         while self.published_seq < target:  # its publish callback was queued before this task's wake-up
             await asyncio.sleep(0)
+
+    # ------------------------------------------------------------------ snapshot
+    async def snapshot(self, pages_per_batch: int = 4096) -> tuple[int, list[list[Event]]]:
+        """The whole cache as events (AllBlocksCleared first), in batches of about `pages_per_batch` pages, and
+        the seq of the first batch they do not reflect. The state is read at once, on the loop; it is hashed on
+        the publisher thread, after the batches flushed before it."""
+        if self._snapshot is None:
+            raise ValueError("this event source has no snapshot")
+        self.flush()  # every change so far is in a batch before `seq`
+        seq, records = self.next_seq, self._snapshot()
+        events = await asyncio.get_running_loop().run_in_executor(
+            self._pool, lambda: self._wrap(records).materialize() if records else [])
+        out, cur, pages = [], [AllBlocksCleared()], 0
+        for ev in events:
+            cur.append(ev)
+            pages += len(ev.block_hashes)
+            if pages >= pages_per_batch:
+                out.append(cur)
+                cur, pages = [], 0
+        if cur or not out:
+            out.append(cur)
+        return seq, out
 
     # ------------------------------------------------------------------ replay
     def replay(self, start: int) -> tuple[Optional[int], list]:

@@ -51,6 +51,10 @@ class HybridCore(HybridShelf, CacheCore):
         """The event hub's feed with a host tier: the device tree's events (GPU), then the host tree's (CPU)."""
         return self.tree.take_events() + self.host_tier.tree.take_events(), 0
 
+    def snapshot_records(self) -> list:
+        """Both trees' snapshots, in the order their events are fed."""
+        return self.tree.snapshot_records() + self.host_tier.tree.snapshot_records()
+
     def _evict(self, full: int = 0, swa: int = 0, mamba: int = 0):
         """Evict on the device; with a host tier, what goes is copied down before its slots are freed."""
         r = self.tree.evict(full, swa, mamba)

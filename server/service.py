@@ -271,6 +271,10 @@ class RadixCacheService(pb_grpc.RadixCacheServicer):
             resp.results.add(insert=_inserted(r), device_indices=_slots(m.indices), matched_len=m.matched_len,
                              node_id=m.node_id, receipt_id=receipt,
                              swa_indices=_slots(self.core.swa_twins(m.indices)) if self.hybrid else b"")
+        hub = self.core.events
+        if hub is not None:  # what this call stored is in the batches before event_seq (an engine's local index)
+            hub.flush()
+            resp.event_seq = hub.next_seq
         return resp
 
     @unary("Evict")
@@ -341,7 +345,19 @@ class RadixCacheService(pb_grpc.RadixCacheServicer):
         if request.follow:
             hub.watchers.add(watcher)  # registered before the replay is read: no batch falls between
         try:
-            if request.HasField("from_seq"):
+            if request.snapshot:
+                if request.HasField("from_seq"):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                        "WatchEvents: snapshot and from_seq exclude each other (a snapshot starts "
+                                        "from the current state)")
+                seq, chunks = await hub.snapshot()
+                ts = time.time()
+                for i, events in enumerate(chunks):
+                    msg = to_proto(seq, ts, events)
+                    msg.snapshot, msg.snapshot_more = True, i < len(chunks) - 1
+                    yield msg
+                last = seq - 1
+            elif request.HasField("from_seq"):
                 await hub.settled()
                 gap, items = hub.replay(request.from_seq)
                 if gap is not None and request.from_seq < hub.next_seq:

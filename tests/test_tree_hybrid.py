@@ -200,6 +200,11 @@ class HybridMachine(RuleBasedStateMachine):
         self._follow()
         want = tree_pages(self.tree, self.PAGE)
         assert want == {g: +c for g, c in self.blocks.items()}
+        snap = {0: Counter(), 1: Counter(), 2: Counter()}  # a consumer starting now: the snapshot says the same
+        for ev in self.tree.snapshot_records():
+            assert isinstance(ev, BlockStored) and (ev.lora_name or "", ev.cache_salt or "") in self.NAMESPACES
+            snap[ev.group_idx].update(ev.block_hashes)
+        assert want == {g: +c for g, c in snap.items()}
 
     @invariant()
     def consistent(self):

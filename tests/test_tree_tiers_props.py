@@ -133,6 +133,7 @@ def test_events_rebuild_exactly_what_the_tree_caches(policy, page):
     for step in range(3000):
         d.step(_sample(rng, prompts, page), rng.choice(NAMESPACES))
         if step % 400 == 399:
+            d.follower.check(d.tree)  # backups and loads still in flight
             d.drain()
             d.follower.check(d.tree)
     assert sum(d.follower.media["GPU"].values()) > 0 and d.tree.counters.demoted_tokens > 0

@@ -176,6 +176,11 @@ class EventFollower:
         for medium, got in self.media.items():
             assert +got == want[medium], f"{medium}: events say {sum((+got).values())} pages, tree has " \
                                          f"{sum(want[medium].values())}"
+        snap = EventFollower()  # a consumer starting now: the snapshot says the same
+        snap.apply(tree.raw_events(tree.snapshot_records()).materialize())
+        for medium, got in snap.media.items():
+            assert got == want[medium], f"{medium}: the snapshot has {sum(got.values())} pages, the tree " \
+                                        f"{sum(want[medium].values())}"
 
 
 class Driver:

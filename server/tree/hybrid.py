@@ -637,6 +637,9 @@ class HybridTree:
         FULL and SWA name every page of the node; MAMBA names its last page, the prefix its state sums up."""
         if self._ev is None:
             return
+        self._ev.append(self._rec(kind, component, node))
+
+    def _rec(self, kind: int, component: str, node: HNode) -> tuple:
         dig = self._digests(node)
         if component == MAMBA:
             if len(dig) > 32:
@@ -647,7 +650,7 @@ class HybridTree:
         else:
             parent = self._digests(node.parent)[-32:] if node.parent.parent is not None else None
             key = node.key
-        self._ev.append((kind, component, dig, parent, key, node.ns))
+        return kind, component, dig, parent, key, node.ns
 
     def take_events(self) -> list[Event]:
         """Events since the last call, coalesced. Each carries its component as vLLM's KV cache group:
@@ -657,6 +660,22 @@ class HybridTree:
         if not self._ev:
             return []
         recs, self._ev = self._ev, []
+        return self._events_of(recs)
+
+    def snapshot_records(self) -> list[Event]:
+        """A BlockStored for every page of every component held now, parents first (what the events so far add up
+        to), for a consumer that starts from the current state."""
+        recs = []
+        for root in self._roots.values():
+            stack = list(root.children.values())
+            while stack:
+                node = stack.pop()
+                recs.append(self._rec(STORED, FULL, node))
+                recs.extend(self._rec(STORED, c.name, node) for c in self.aux if c.has(node))
+                stack.extend(node.children.values())
+        return self._events_of(recs)
+
+    def _events_of(self, recs: list) -> list[Event]:
         out = Coalescer()
         kinds = {FULL: "full_attention", SWA: "sliding_window", MAMBA: "mamba"}
         window = self.swa.window if self.swa is not None else None

@@ -203,6 +203,24 @@ class RadixTree(TransferMixin, StorageMixin):
         else:
             self._ev.push_raw((REMOVED, [span], medium))
 
+    def snapshot_records(self) -> list:
+        """STORED records of every page held now, per medium and parents first (what the events so far add up to:
+        a host copy counts once its backup is acknowledged), for a consumer that starts from the current state."""
+        out = []
+        for root in self._roots.values():
+            stack = list(root.children.values())
+            while stack:
+                node = stack.pop()
+                span = node.hashes or self._span(node)
+                ps = node.parent.hashes if node.parent.parent is not None else None
+                salt, lora = node.ns[1] or None, node.ns[0] or None
+                if node.value is not None:
+                    out.append((STORED, span, ps, node.key, GPU, salt, lora))
+                if node.host_value is not None and not node.pending:
+                    out.append((STORED, span, ps, node.key, CPU, salt, lora))
+                stack.extend(node.children.values())
+        return out
+
     @property
     def events_enabled(self) -> bool:
         """Whether this tree records KV events."""
