@@ -3,7 +3,8 @@ radixd hit, and the connector's own cost on a miss, on a real vLLM engine (CPU, 
 
 Engines run in vLLM's venv (`.venv-vllm`, built by .ci/run; or RADIXD_VLLM_PYTHON), one process each:
   C  no connector              the reference: full prefill
-  A  connector, radixd cold    a miss: prefill + MatchPrefix + Alloc + page stores + CacheUnfinished
+  A  connector, radixd cold    a miss: prefill + page stores + CacheUnfinished (+ MatchPrefix with --events off:
+                               the connector then has no local index of radixd's pages to answer it)
   B  connector, radixd warm    a hit: MatchPrefix + page loads, prefill of the last partial page only
 Each engine first serves a short warm-up prompt, and each length one more (not timed); then --repeat
 distinct prompts per length are timed.
@@ -88,6 +89,8 @@ def main() -> None:
     ap.add_argument("--arch", default="llama", choices=["llama", "nemotron-h"])
     ap.add_argument("--mamba-chunk", type=int, default=0, help="radixd's --mamba-chunk (nemotron-h): tokens between "
                                                                "published states (0: the config's chunk_size)")
+    ap.add_argument("--events", default="on", choices=["on", "off"],
+                    help="radixd's --kv-events: on, the connector answers misses from its local index (no RPC)")
     args = ap.parse_args()
     py = _python()
     model = tempfile.mkdtemp(prefix="radixd-vllm-bench-model-")
@@ -95,6 +98,7 @@ def main() -> None:
     hybrid = args.arch != "llama"
     block = 64 if hybrid else BLOCK  # the Nemotron-H engine's block (tests/vllm_engine.py)
     extra = ("--hybrid-cache", "--mamba-states", "2048", "--mamba-chunk", str(args.mamba_chunk)) if hybrid else ()
+    extra += ("--kv-events",) if args.events == "on" else ()
     lengths = [int(x) for x in args.lengths.split(",")]
     rng = random.Random(7)
     warm = [rng.randrange(3, 512) for _ in range(40)]
@@ -132,13 +136,14 @@ def _scheduler_side(py: str, model: str, args) -> dict[str, float]:
     prompts = [[rng.randrange(3, 512) for _ in range(args.batch_len)] for _ in range(args.batch_prompts)]
     out: dict[str, float] = {}
     print(f"\n{'batch':>5} {'mode':>4} {'requests':>8} {'steps':>6} {'p50 us':>8} {'p99 us':>8} {'busy p50':>8} "
-          f"{'busy p99':>8} {'rpcs/step max':>13} {'mean':>5} {'lookup rpcs/step max':>20} {'mean':>5}")
+          f"{'busy p99':>8} {'rpcs/step max':>13} {'mean':>5} {'lookup rpcs/step max':>20} {'mean':>5} "
+          f"{'local misses':>12}")
     for batch in [int(x) for x in args.batches.split(",")]:
         block = 64 if args.arch != "llama" else BLOCK
         srv = ServerProc("--num-slots", str(max(65536, 2 * args.batch_len * args.batch_prompts)),
                          "--page-size", str(block), "--model-config", os.path.join(model, "config.json"),
                          *(("--hybrid-cache", "--mamba-states", "2048", "--mamba-chunk", str(args.mamba_chunk))
-                           if args.arch != "llama" else ()))
+                           if args.arch != "llama" else ()), *(("--kv-events",) if args.events == "on" else ()))
         try:
             for mode in ("miss", "hit"):  # the first engine stores every prompt, the second finds them all
                 path = tempfile.mktemp(prefix="radixd-vllm-stats-")
@@ -147,7 +152,8 @@ def _scheduler_side(py: str, model: str, args) -> dict[str, float]:
                 st = json.load(open(path))
                 print(f"{batch:5d} {mode:>4} {st['requests']:8d} {st['steps']:6d} {st['p50_us']:8.0f} "
                       f"{st['p99_us']:8.0f} {st['busy_p50_us']:8.0f} {st['busy_p99_us']:8.0f} {st['max_rpcs_per_step']:13d} {st['mean_rpcs_per_step']:5.2f} "
-                      f"{st['max_lookup_rpcs_per_step']:20d} {st['mean_lookup_rpcs_per_step']:5.2f}")
+                      f"{st['max_lookup_rpcs_per_step']:20d} {st['mean_lookup_rpcs_per_step']:5.2f} "
+                      f"{st['local_misses']:12d}")
                 out[f"sched_p50_us_{mode}_{batch}"] = st["p50_us"]
                 out[f"sched_p99_us_{mode}_{batch}"] = st["p99_us"]
                 out[f"sched_busy_p50_us_{mode}_{batch}"] = st["busy_p50_us"]

@@ -139,6 +139,32 @@ def test_engine_b_reuses_engine_a_kv_and_generates_the_same_tokens(model_dir, re
 
 
 @needs_vllm
+def test_a_miss_makes_no_round_trip_when_radixd_publishes_events(model_dir, reference):
+    """radixd with --kv-events: each engine's connector follows the events into a local index (a snapshot when it
+    starts, then live batches). Engine A's two prompts, which radixd holds nothing of, are misses with no lookup
+    RPC, and are stored. Engine B's prompt extends one of them: the index shows a hit, so it is looked up, locked
+    and loaded from radixd. Every output equals an engine without a connector."""
+    srv = ServerProc("--num-slots", "8192", "--page-size", str(BLOCK), "--model-config",
+                     os.path.join(model_dir, "config.json"), "--kv-events")
+    other = [random.Random(2).randrange(3, 512) for _ in range(200)]
+    d = tempfile.mkdtemp(prefix="radixd-vllm-stats-")
+    try:
+        with CacheClient(srv.target, name="test") as c:
+            a = _engine(model_dir, [other, P], srv.target, extra=["--batch", "2", "--stats", f"{d}/a.json"])
+            sa = json.load(open(f"{d}/a.json"))
+            assert sa["index_current"] and sa["local_misses"] == 2 and sa["lookup_rpcs"] == 0, sa
+            assert a[1]["tokens"] == reference[2]["tokens"] and a[1]["cached"] == 0
+            assert _settled(c)["cached_tokens"] == 2 * 192  # both misses were stored all the same
+            b = _engine(model_dir, [P + SUFFIX], srv.target, extra=["--stats", f"{d}/b.json"])
+            sb = json.load(open(f"{d}/b.json"))
+            assert sb["local_misses"] == 0 and sb["lookup_rpcs"] == 1, sb
+            assert b[0]["cached"] == 192 and b[0]["tokens"] == reference[0]["tokens"]  # loaded from radixd
+            _settled(c)
+    finally:
+        srv.stop()
+
+
+@needs_vllm
 def test_pages_vllm_had_locally_are_stored_when_radixd_lacks_them(model_dir):
     srv = _server(model_dir)
     try:

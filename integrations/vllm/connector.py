@@ -3,9 +3,11 @@
 vLLM keeps its own block pool; radixd is the tier behind it that outlives engines and is shared by them.
 Scheduler side (one radixd session per engine, so a dead engine loses its locks and slots within a second).
 No radixd call blocks vLLM's scheduler thread in the steady state:
-  on_new_request              starts the lookup: MatchPrefix(lock) on the prompt's whole pages, batched with
-                              every request that arrived meanwhile, on the lookup thread (a LoadBack first,
-                              and its copy waited for there, when radixd holds more on its host tier);
+  on_new_request              a miss at once, with no round trip, when the local index (below) shows radixd
+                              holds not even the prompt's first page; otherwise starts the lookup:
+                              MatchPrefix(lock) on the prompt's whole pages, batched with every request that
+                              arrived meanwhile, on the lookup thread (a LoadBack first, and its copy waited
+                              for there, when radixd holds more on its host tier);
   get_num_new_matched_tokens  the pages beyond vLLM's own hit (never the last prompt token); None ("ask
                               again next step") while the lookup is out and the engine has other requests;
                               with nothing else to run it waits for the answer; past `lookup_deadline_ms`
@@ -31,9 +33,14 @@ that boundary (radixd keeps a copy), and a hit, which radixd ends where it has a
 the hit's last state block and into the block the step's forward runs on (vLLM filled that one from the hit's
 block before the connector's load). The lookup covers the prompt up to its last loadable page only. States are
 published every radixd `--mamba-chunk` tokens (rounded to whole blocks) and at the prompt's last block boundary.
+The local index: with radixd started with --kv-events (and no L3 tier, whose pages no event names), the scheduler
+follows radixd's KV events (WatchEvents with a snapshot, on its own thread) into a BlockIndex of the pages radixd
+holds. It is used only while it is current: its snapshot applied, its stream live, and every batch up to this
+engine's own last store (CacheUnfinished's event_seq) applied. A page another engine stored a moment ago may not
+be in it yet: a lost hit, never a wrong load, as a hit is always looked up and locked by radixd itself.
 Configure with `kv_connector_extra_config`: `radixd_target` (default `$RADIXD_TARGET` or the default
 socket), `radixd_token`, `load_back` (default true), `lookup_deadline_ms` (default 200),
-`slot_stock_tokens` (the most slots held ready for stores, default 8192).
+`slot_stock_tokens` (the most slots held ready for stores, default 8192), `local_index` (default true).
 """
 from __future__ import annotations
 
@@ -55,6 +62,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 
 from radixd.client import CacheClient, RadixdError
 from radixd.client.background import EMPTY, Lookups, Stores
+from radixd.client.events import MEDIA, BlockIndex
 from radixd.server.config import DEFAULT_SOCKET
 
 from .layout import Geometry, geometry, load_blocks, probe_cpu_layout, save_blocks
@@ -70,6 +78,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("radixd.vllm")
+INDEX_NODE = "radixd"  # the one server the local index follows
 SUPPORTED_VLLM = "0.32.0"
 
 
@@ -132,6 +141,7 @@ class RadixdConnector(KVConnectorBase_V1):
         self.load_back = str(extra.get("load_back", "true")).lower() not in ("0", "false", "no")
         self.lookup_deadline = float(extra.get("lookup_deadline_ms", 200)) / 1000  # then a lookup is a miss
         self.slot_stock = int(extra.get("slot_stock_tokens", 8192))  # most slots held ready for stores
+        self.local_index = str(extra.get("local_index", "true")).lower() not in ("0", "false", "no")
         self.block_size = vllm_config.cache_config.block_size
         self.cache_dtype = vllm_config.cache_config.cache_dtype
         self.model_dtype = vllm_config.model_config.dtype
@@ -254,7 +264,9 @@ def _group_kinds(kv_cache_config: "KVCacheConfig") -> list[str]:
 def scheduler_stats(connector: RadixdConnector) -> dict[str, Any]:
     """What a scheduler-side connector cost vLLM's scheduler thread: per finished request, and radixd calls per
     step (a function, not a method: every public method of the connector is one of vLLM's hooks)."""
-    return connector._sched.meter.summary()
+    sched = connector._sched
+    return dict(sched.meter.summary(), local_misses=sched.local_misses, lookup_rpcs=sched.lookups.rpcs,
+                index_current=sched.index is not None and sched.index.current(INDEX_NODE))
 
 
 class _Meter:
@@ -359,6 +371,16 @@ class _Scheduler:
         self.lookups = Lookups(self.client, conn.load_back and not self.hybrid, self.background, hybrid=self.hybrid)
         self.background.first = self.lookups
         self.meter = _Meter()
+        self.local_misses = 0  # requests answered "nothing in radixd" from the index, no lookup made
+        self.index: Optional[BlockIndex] = None
+        if conn.local_index and not info["storage"]:  # an L3 tier holds pages the events do not name
+            self.index = BlockIndex(self.page)
+            self.index.follow_grpc(INDEX_NODE, conn.target, conn.token, snapshot=True)
+            deadline = time.monotonic() + 2.0  # the snapshot, before the first request (not on its path)
+            while not self.index.current(INDEX_NODE) and time.monotonic() < deadline and \
+                    any(t.is_alive() for t in self.index.threads):
+                time.sleep(0.005)
+        self.index_media = MEDIA if conn.load_back or self.hybrid else ("GPU",)
 
     def _align(self, n: int) -> int:
         return max(n, 0) - max(n, 0) % self.page
@@ -374,11 +396,22 @@ class _Scheduler:
         # every whole page: what radixd has need not be stored again; with state layers only up to the last
         # loadable token, as the state radixd hands back sits exactly at the hit's end
         n = self._align(len(toks) - 1) if self.mamba else self._align(len(toks))
-        if n and self._align(len(toks) - 1):
+        if n and self._align(len(toks) - 1) and not self._known_miss(toks, st.ns):
             st.pending, st.asked = True, time.monotonic()
             self.lookups.submit(rid, np.asarray(toks[:n], dtype=np.int32), st.ns)
         else:
             self.running += 1
+
+    def _known_miss(self, tokens: list[int], ns: dict[str, str]) -> bool:
+        """radixd holds not even the prompt's first page, by an index that has every event up to this engine's
+        own last store: a miss with no round trip (a page stored meanwhile elsewhere is a lost hit, never a
+        wrong load; a hit is still looked up and locked by radixd)."""
+        idx = self.index
+        if idx is None or not idx.current(INDEX_NODE, self.client.event_seq) or \
+                idx.leading(INDEX_NODE, tokens, ns["cache_salt"], self.index_media, pages=1):
+            return False
+        self.local_misses += 1
+        return True
 
     def matched(self, request: "Request", num_computed: int) -> Optional[int]:
         """Tokens radixd holds beyond vLLM's own (never the last prompt token, which the engine computes); None
@@ -568,6 +601,8 @@ class _Scheduler:
             if rid in self.reqs:
                 self.reqs[rid].inflight.clear()
                 self._finish(rid)
+        if self.index is not None:
+            self.index.close()
         self.lookups.close()
         self.background.close()
         self.client.close()
