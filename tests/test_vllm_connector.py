@@ -481,6 +481,16 @@ def test_every_cpu_kernel_converts_exactly():
     assert r.returncode == 0 and "ok layouts 11" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
 
 
+@needs_vllm
+def test_stores_land_asynchronously_and_blocks_wait_for_them():
+    """The worker's side of vLLM's asynchronous-save protocol with copies held back by a gate: saves return at
+    once, stores are reported and blocks released only after their copies land, preemptions wait for them, a
+    failed copy gives its slots back (tests/vllm_async_save_check.py)."""
+    r = subprocess.run([VLLM_PY, str(ROOT / "tests" / "vllm_async_save_check.py")], capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "PYTHONPATH": ""})
+    assert r.returncode == 0 and r.stdout.strip().splitlines()[-1:] == ["ok"], r.stdout[-3000:] + r.stderr[-3000:]
+
+
 # ---------------------------------------------------------------- layout conversions (no vLLM needed)
 def _kernel(k_column_major: bool):
     """A stand-in reshape_and_cache (per block and head: K rows or columns, then V rows), for the probe."""

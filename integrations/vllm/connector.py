@@ -19,9 +19,13 @@ No radixd call blocks vLLM's scheduler thread in the steady state:
   update_connector_output     the workers report stores done: the store thread publishes them, one
                               CacheUnfinished for all (it frees duplicates and re-locks the longer prefix);
   request_finished            the store thread releases the request's lock after its last publish.
-Worker side: maps radixd's device pool, checks the geometry, and copies whole pages (`start_load_kv` before
-the forward, stores in `wait_for_save` after it; on a side stream on GPU, waited for before returning),
-converting layouts exactly.
+Worker side: maps radixd's device pool, checks the geometry, and copies whole pages, converting layouts exactly:
+loads in `start_load_kv` before the forward (on a side stream on GPU, waited for); stores launched in
+`wait_for_save` after it (on the side stream on GPU, on a copy thread on CPU) and not waited for: a store is
+reported (then published) once it has landed, `request_finished` keeps a finished request's blocks until its
+copies have landed (`get_finished`), and `handle_preemptions` waits for a preempted request's copies before
+its blocks go to others. Hybrid models copy synchronously (vLLM lets sliding-window and state blocks go while a
+request runs).
 Hybrid models (sliding window): `RadixdHybridConnector` is the same connector with vLLM's `SupportsHMA`, so
 vLLM keeps its hybrid KV cache manager (a block table per KV cache group, null blocks outside a window) and
 radixd, started with `--hybrid-cache --model-config` of the same model, holds the full-attention layers in its
@@ -40,7 +44,8 @@ engine's own last store (CacheUnfinished's event_seq) applied. A page another en
 be in it yet: a lost hit, never a wrong load, as a hit is always looked up and locked by radixd itself.
 Configure with `kv_connector_extra_config`: `radixd_target` (default `$RADIXD_TARGET` or the default
 socket), `radixd_token`, `load_back` (default true), `lookup_deadline_ms` (default 200),
-`slot_stock_tokens` (the most slots held ready for stores, default 8192), `local_index` (default true).
+`slot_stock_tokens` (the most slots held ready for stores, default 8192), `local_index` (default true),
+`async_save` (default true).
 """
 from __future__ import annotations
 
@@ -50,6 +55,7 @@ import os
 import re
 import time
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -92,18 +98,20 @@ class RadixdConnectorMetadata(KVConnectorMetadata):
     copied the hit's state block into it before the connector's load."""
 
     loads: list[tuple[list[list[int]], list[int], list[int], int, list[int]]] = field(default_factory=list)
-    stores: list[tuple[int, list[list[int]], list[int], list[int], int]] = field(default_factory=list)
+    stores: list[tuple[int, str, list[list[int]], list[int], list[int], int]] = field(default_factory=list)
+    preempted: set[str] = field(default_factory=set)  # their blocks go to others this step: saves must land first
 
 
 @dataclass
 class RadixdWorkerMetadata(KVConnectorWorkerMetadata):
-    """Store ids a worker has copied into radixd this step."""
+    """Store ids a worker has copied into radixd since its last report, and ids whose copy failed."""
 
     stored: set[int] = field(default_factory=set)
+    failed: set[int] = field(default_factory=set)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, RadixdWorkerMetadata)
-        return RadixdWorkerMetadata(self.stored | other.stored)
+        return RadixdWorkerMetadata(self.stored | other.stored, self.failed | other.failed)
 
 
 @dataclass
@@ -121,6 +129,7 @@ class _Req:
     finished: bool = False
     storing: bool = True
     pending: bool = False  # its lookup is still on the lookup thread
+    saved: bool = False  # a store of its blocks was planned (asynchronous saves: its blocks wait for the copies)
     asked: float = 0.0  # when the lookup was started (a lookup older than the deadline is a miss)
 
 
@@ -142,13 +151,16 @@ class RadixdConnector(KVConnectorBase_V1):
         self.lookup_deadline = float(extra.get("lookup_deadline_ms", 200)) / 1000  # then a lookup is a miss
         self.slot_stock = int(extra.get("slot_stock_tokens", 8192))  # most slots held ready for stores
         self.local_index = str(extra.get("local_index", "true")).lower() not in ("0", "false", "no")
+        self.hma = isinstance(self, SupportsHMA)
+        # stores copied after wait_for_save returns (a finished request's blocks wait for them); a hybrid model's
+        # sliding-window and state blocks are released while the request runs, so its copies stay synchronous
+        self.async_save = not self.hma and str(extra.get("async_save", "true")).lower() not in ("0", "false", "no")
         self.block_size = vllm_config.cache_config.block_size
         self.cache_dtype = vllm_config.cache_config.cache_dtype
         self.model_dtype = vllm_config.model_config.dtype
         tp = vllm_config.parallel_config.tensor_parallel_size
         if tp != 1:
             raise ValueError(f"radixd connector: tensor_parallel_size {tp} is not supported yet (use 1)")
-        self.hma = isinstance(self, SupportsHMA)
         self.groups = _group_kinds(kv_cache_config) if self.hma else ["full"]
         self._sched: Optional[_Scheduler] = None
         self._worker: Optional[_Worker] = None
@@ -184,18 +196,25 @@ class RadixdConnector(KVConnectorBase_V1):
         t = time.perf_counter()
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, RadixdWorkerMetadata):
-            self._sched.stored(meta.stored)
+            self._sched.stored(meta.stored, meta.failed)
         self._sched.meter.charge_step(t)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         t = time.perf_counter()
-        self._sched.finished(request.request_id)
+        delay = self._sched.finished(request.request_id) and self.async_save
         self._sched.meter.charge("request_finished", request.request_id, t, last=True)
-        return False, None
+        return delay, None  # delayed: its blocks are freed once the workers' copies of them have landed
 
     # --------------------------------------------------------------- worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         self._worker.register(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        assert isinstance(kv_connector_metadata, RadixdConnectorMetadata)
+        self._worker.preempted(kv_connector_metadata.preempted)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self._worker.finished(finished_req_ids), None
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -457,7 +476,7 @@ class _Scheduler:
             st.load = (st.local, num_external)
 
     def build(self, so: "SchedulerOutput") -> RadixdConnectorMetadata:
-        meta = RadixdConnectorMetadata()
+        meta = RadixdConnectorMetadata(preempted=set(so.preempted_req_ids or ()))
         self._plans: list[tuple[str, _Req, int, int]] = []
         for nr in so.scheduled_new_reqs:
             st = self.reqs.get(nr.req_id)
@@ -543,8 +562,8 @@ class _Scheduler:
             self._next += 1
             self.stores[self._next] = (rid, start, end, rows.reshape(-1), self._swa_floor(st, start, end), state)
             st.inflight.add(self._next)
-            st.planned = end
-            meta.stores.append((self._next, [b[start // self.page:end // self.page] for b in st.blocks],
+            st.planned, st.saved = end, True
+            meta.stores.append((self._next, rid, [b[start // self.page:end // self.page] for b in st.blocks],
                                 rows[:, 0].tolist(), heads, state))
 
     def _swa_floor(self, st: _Req, start: int, end: int) -> int:
@@ -559,17 +578,20 @@ class _Scheduler:
                     floor = max(floor, start + (nulls[-1] + 1) * self.page)
         return floor
 
-    def stored(self, ids: set[int]) -> None:
+    def stored(self, ids: set[int], failed: set[int] = frozenset()) -> None:
         """Workers copied these stores: hand them to the store thread to publish, then finish requests that
-        waited on them."""
-        for sid in sorted(ids):
+        waited on them. A failed copy's slots go back, and its request stores nothing more."""
+        for sid in sorted(ids | failed):
             entry = self.stores.pop(sid, None)
             if entry is None:
                 continue
             rid, start, end, slots, floor, state = entry
             st = self.reqs.get(rid)
-            if st is None:
+            if st is None or sid in failed:
                 self.background.free(slots, state)
+                if st is not None:
+                    st.inflight.discard(sid)
+                    st.storing = False
                 continue
             st.inflight.discard(sid)
             self.background.publish(rid, np.asarray(st.tokens[:end], dtype=np.int32), start, slots, st.ns,
@@ -577,10 +599,12 @@ class _Scheduler:
         for rid in [rid for rid, st in self.reqs.items() if st.finished and not st.inflight]:
             self._finish(rid)
 
-    def finished(self, rid: str) -> None:
+    def finished(self, rid: str) -> bool:
+        """The request is done: its lock goes once its stores are published. Whether any store of its blocks was
+        planned (with asynchronous saves its blocks must wait for the workers' copies)."""
         st = self.reqs.get(rid)
         if st is None:
-            return
+            return False
         st.finished = True
         if st.pending:  # finished (or aborted) before its lookup came back
             st.pending = False
@@ -588,6 +612,7 @@ class _Scheduler:
             self.lookups.drop(rid)
         if not st.inflight:  # otherwise the workers' report of this step's stores finishes it
             self._finish(rid)
+        return st.saved
 
     def _finish(self, rid: str) -> None:
         st = self.reqs.pop(rid)
@@ -651,6 +676,12 @@ class _Worker:
         self.layers: list[torch.Tensor] = []
         self.geo: Optional[Geometry] = None
         self.done: set[int] = set()
+        self.failed: set[int] = set()  # stores whose copy raised (reported, so their slots go back)
+        self._saves: list[tuple[list[int], set[str], Any]] = []  # (stores, requests, Future or CUDA event) in flight
+        self._waiting: dict[str, int] = {}  # request -> its copies in flight
+        self._saved: set[str] = set()  # requests with a copy launched here that have not finished
+        self._finishing: set[str] = set()  # finished requests whose blocks wait for their copies
+        self._pool: Optional[ThreadPoolExecutor] = None
         self.pools = None
         self.plan: list[tuple[torch.Tensor, int, torch.Tensor, torch.Tensor, bool]] = []  # kv, group, k, v, swa
         # state layers: (group, vLLM's conv and temporal views [blocks, ...], radixd's [slots, ...], conv transposed)
@@ -686,6 +717,10 @@ class _Worker:
                              f"{self.layers[0].device}")
         dv = self.layers[0].device
         self.stream = torch.cuda.Stream(device=dv) if dv.type == "cuda" else None  # copies off the compute stream
+        # asynchronous stores get their own stream: a load (waited for) must not queue behind them
+        self.save_stream = torch.cuda.Stream(device=dv) if dv.type == "cuda" and self.conn.async_save else None
+        if self.stream is None and self.conn.async_save:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="radixd-save")
 
     def _check(self, pool, layers: int, what: str) -> None:
         d = pool.descriptor
@@ -820,25 +855,91 @@ class _Worker:
             self._copy(run)
 
     def save(self, meta: RadixdConnectorMetadata) -> None:
+        """Copy this step's stores into radixd: at once (hybrid models), or launched here and reported when they
+        have landed (the side stream on GPU, the copy thread on CPU), so the step's outputs do not wait for them."""
         def run() -> None:
-            for sid, groups, pages, twins, state in meta.stores:
+            for _, _, groups, pages, twins, state in meta.stores:
                 pairs = self._pairs(groups, pages, twins)
                 for kv, g, k, v, swa in self.plan:
                     if (g, swa) in pairs:
                         blocks, starts = pairs[(g, swa)]
                         save_blocks(kv, self.geo, blocks, k, v, starts)
                 self._copy_states(groups, state, load=False)
-        if meta.stores:
+        if not meta.stores:
+            return
+        sids, rids = [x[0] for x in meta.stores], {x[1] for x in meta.stores}
+        if not self.conn.async_save:
             self._copy(run)
-            self.done.update(sid for sid, _, _, _, _ in meta.stores)
+            self.done.update(sids)
+            return
+        if self.save_stream is None:
+            handle: Any = self._pool.submit(run)
+        else:
+            self.save_stream.wait_stream(torch.cuda.current_stream())  # after the forward's writes
+            with torch.cuda.stream(self.save_stream):
+                run()
+            handle = torch.cuda.Event()
+            handle.record(self.save_stream)
+        self._saves.append((sids, rids, handle))
+        for r in rids:
+            self._waiting[r] = self._waiting.get(r, 0) + 1
+        self._saved |= rids
+
+    def _poll(self, wait_for: set[str] = frozenset()) -> None:
+        """Collect the copies that have landed, waiting for those of the requests in `wait_for` (in launch order:
+        the copy thread and the side stream run them in that order)."""
+        left = []
+        for sids, rids, h in self._saves:
+            if rids & wait_for:
+                err = h.exception() if isinstance(h, Future) else h.synchronize()
+            elif isinstance(h, Future) and h.done():
+                err = h.exception()
+            elif not isinstance(h, Future) and h.query():
+                err = None
+            else:
+                left.append((sids, rids, h))
+                continue
+            if err is not None:  # the pages hold garbage: never published, their slots go back
+                log.error("radixd connector: a store copy failed (%r); stores %s are dropped", err, sids)
+                self.failed.update(sids)
+            else:
+                self.done.update(sids)
+            for r in rids:
+                n = self._waiting.pop(r) - 1
+                if n:
+                    self._waiting[r] = n
+        self._saves = left
+
+    def finished(self, finished_req_ids: set[str]) -> Optional[set[str]]:
+        """Finished requests whose blocks vLLM kept for the copies (request_finished said so: every request with
+        a store planned) and whose copies have all landed: vLLM frees their blocks now."""
+        if not self.conn.async_save:
+            return None
+        for r in finished_req_ids & self._saved:
+            self._saved.discard(r)
+            self._finishing.add(r)
+        self._poll()
+        out = {r for r in self._finishing if r not in self._waiting}
+        self._finishing -= out
+        return out or None
+
+    def preempted(self, rids: set[str]) -> None:
+        """Preempted requests' blocks are handed to others in this very step: their copies must land first."""
+        if rids & self._waiting.keys():
+            self._poll(wait_for=rids)
 
     def report(self) -> Optional[RadixdWorkerMetadata]:
-        if not self.done:
+        self._poll()
+        if not (self.done or self.failed):
             return None
-        out, self.done = RadixdWorkerMetadata(self.done), set()
+        out, self.done, self.failed = RadixdWorkerMetadata(self.done, self.failed), set(), set()
         return out
 
     def close(self) -> None:
+        if self._saves:
+            self._poll(wait_for=set(self._waiting))
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
         self.plan, self.states = [], []
         if self.pools is not None:
             self.pools.close()
