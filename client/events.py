@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter
 from typing import Any, Iterator, Optional
 
@@ -267,3 +268,36 @@ class BlockIndex:
             calls = list(self._calls)
         for c in calls:
             c.cancel()
+
+
+class LocalIndex:
+    """An engine's view of one radixd server's pages, followed from its KV events (a snapshot, then live batches):
+    it answers "radixd holds not even the first page of this prompt" with no round trip, and only while that
+    answer can be trusted (its snapshot applied, its stream live, every batch up to the engine's own last store
+    applied). A page another engine stored a moment ago may be missing from it: a lost hit, never a wrong load,
+    as a hit is still looked up (and locked) by radixd itself."""
+
+    NODE = "radixd"
+
+    def __init__(self, client: Any, target: str, page_size: int, token: Optional[str] = None,
+                 media: tuple[str, ...] = MEDIA, wait_s: float = 2.0):
+        self.client, self.media = client, media  # client: whose CacheUnfinished answers carry event_seq
+        self.index = BlockIndex(page_size)
+        self.index.follow_grpc(self.NODE, target, token, snapshot=True)
+        self.misses = 0  # prompts answered here
+        deadline = time.monotonic() + wait_s  # the snapshot, before the engine's first request (not on its path)
+        while not self.current() and time.monotonic() < deadline and any(t.is_alive() for t in self.index.threads):
+            time.sleep(0.005)
+
+    def current(self) -> bool:
+        return self.index.current(self.NODE, self.client.event_seq)
+
+    def known_miss(self, tokens: Any, cache_salt: str = "") -> bool:
+        """True when radixd certainly holds nothing of `tokens` (counted in `misses`)."""
+        if not self.current() or self.index.leading(self.NODE, tokens, cache_salt, self.media, pages=1):
+            return False
+        self.misses += 1
+        return True
+
+    def close(self) -> None:
+        self.index.close()

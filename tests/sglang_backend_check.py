@@ -157,6 +157,31 @@ def scenario_two_engines_share_pages_byte_for_byte(c: CacheClient) -> None:
     b.cache.shutdown()
 
 
+def scenario_a_miss_makes_no_round_trip_with_kv_events(c: CacheClient) -> None:
+    """radixd with --kv-events: an engine follows the events into a local index. A prompt radixd holds nothing of
+    is a miss with no lookup at match or at store, and its pages are still published; a second engine started
+    after that finds them in its snapshot, so its match is looked up, locked and loaded, byte for byte."""
+    a = Engine()
+    assert a.cache.index is not None and a.cache.index.current(), "the index never took the server's snapshot"
+    prompt = [random.randrange(1, 999) for _ in range(42)]
+    ra = a.request("a1", prompt)
+    a.cache.queued(ra)
+    assert a.prefill(ra, 42, finish=True) == (0, 0)
+    a.release(ra)
+    assert settled(c, a)["cached_tokens"] == 40  # stored with no lookup before it
+    assert a.cache.lookups.rpcs == 0 and a.cache.index.misses == 3  # queued, match, store
+    b = Engine()
+    rb = b.request("b1", prompt + [5, 6, 7])
+    b.cache.queued(rb)
+    assert b.prefill(rb, 45, finish=True) == (0, 40)
+    assert b.cache.index.misses == 0 and b.cache.lookups.rpcs >= 1
+    same_kv(a, b, prompt[:40])
+    b.release(rb)
+    settled(c, a, b)
+    a.cache.shutdown()
+    b.cache.shutdown()
+
+
 def scenario_pages_on_radixd_host_tier_are_loaded_back(c: CacheClient) -> None:
     a, b = Engine(), Engine()
     prompt = [random.randrange(1000, 2000) for _ in range(36)]

@@ -44,6 +44,18 @@ def test_backend_scenario(server, scenario):
         assert s["receipts"] == 0 and s["held_tokens"] == 0 and c.check() == []
 
 
+def test_a_miss_makes_no_round_trip_with_kv_events():
+    srv = ServerProc("--num-slots", "4096", "--page-size", "4", "--layers", "2", "--kv-heads", "2", "--head-dim", "8",
+                     "--dtype", "float32", "--kv-events")
+    try:
+        scenario = "a_miss_makes_no_round_trip_with_kv_events"
+        r = subprocess.run([SGL_PY, str(CHECK), srv.target, scenario], capture_output=True, text=True, timeout=600,
+                           env={**os.environ, "PYTHONPATH": ""})
+        assert r.returncode == 0 and f"ok {scenario}" in r.stdout, (r.stdout[-3000:] + r.stderr[-5000:])
+    finally:
+        srv.stop()
+
+
 def test_wrong_page_size_is_refused_in_plain_words():
     srv = ServerProc("--num-slots", "4096", "--page-size", "8", "--layers", "2", "--kv-heads", "2", "--head-dim",
                      "8", "--dtype", "float32")

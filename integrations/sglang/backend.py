@@ -20,7 +20,9 @@ engine on the node shares (one radixd session per engine: a dead engine loses it
                    checkpoint, evict and check_hicache_events (and `settle` finishes everything);
   on_release / release_aborted_request / reset  release every radixd lock the request (or cache) held.
 No radixd call blocks the scheduler thread except the bounded wait for a lookup in match_prefix, and an
-Alloc when the slot stock runs short.
+Alloc when the slot stock runs short. With radixd started with --kv-events (and no L3 tier) the backend follows
+radixd's events into a local index (client/events.py `LocalIndex`): a prompt radixd holds not even the first page
+of is a miss at once, with no lookup at queue, match or store time (`local_index=False` turns it off).
 Tensor parallelism: radixd's pool holds every rank's KV heads side by side; rank 0 alone talks to radixd and
 broadcasts its decisions (SGLang's ranks call the cache in lockstep), every rank copies its own heads, and
 a barrier orders the copies before rank 0 unlocks or publishes. With TP the calls stay synchronous (every
@@ -45,7 +47,8 @@ from sglang.srt.mem_cache.base_prefix_cache import (EvictParams, EvictResult, In
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
 from radixd.client import CacheClient, RadixdError
-from radixd.client.background import Lookups, Stores
+from radixd.client.background import EMPTY, Lookups, Stores
+from radixd.client.events import MEDIA, LocalIndex
 from radixd.server.config import DEFAULT_SOCKET
 
 if TYPE_CHECKING:
@@ -133,7 +136,7 @@ class RadixdRadixCache(RadixCache):
 
     def __init__(self, params: "CacheInitParams", tp_size: int = 1, tp_rank: int = 0, tp_group: Any = None,
                  target: Optional[str] = None, token: Optional[str] = None, load_back: bool = True,
-                 lookup_deadline_ms: float = 200, slot_stock_tokens: int = 8192):
+                 lookup_deadline_ms: float = 200, slot_stock_tokens: int = 8192, local_index: bool = True):
         super().__init__(params)
         if tp_size > 1 and tp_group is None:
             raise ValueError("radixd backend: tensor parallelism needs the TP group (broadcast_object, barrier)")
@@ -141,8 +144,8 @@ class RadixdRadixCache(RadixCache):
         self.lead = tp_rank == 0  # the one rank that talks to radixd; the others follow its decisions
         self.target = target or os.environ.get("RADIXD_TARGET") or "unix://" + DEFAULT_SOCKET[len("unix:"):]
         self.load_back = load_back
-        self.client = CacheClient(self.target, token=token or os.environ.get("RADIXD_TOKEN"),
-                                  name=f"sglang-{os.getpid()}", attach=self.lead)
+        token = token or os.environ.get("RADIXD_TOKEN")
+        self.client = CacheClient(self.target, token=token, name=f"sglang-{os.getpid()}", attach=self.lead)
         info = self.client.info()
         if info["page_size"] != self.page_size:
             raise ValueError(f"radixd backend: radixd's page size {info['page_size']} != SGLang's --page-size "
@@ -179,6 +182,10 @@ class RadixdRadixCache(RadixCache):
             self.stores = Stores(self.client, self.page_size, slot_stock_tokens)
             self.lookups = Lookups(self.client, load_back, self.stores)
             self.stores.first = self.lookups
+        self.index: Optional[LocalIndex] = None  # misses answered with no round trip (radixd with --kv-events)
+        if self.asynchronous and local_index and not info["storage"]:  # no event names an L3 tier's pages
+            self.index = LocalIndex(self.client, self.target, self.page_size, token,
+                                    MEDIA if load_back else ("GPU",))
 
     # ---------------------------------------------------------------- helpers
     def _ns(self, key: RadixKey) -> dict[str, str]:
@@ -270,6 +277,8 @@ class RadixdRadixCache(RadixCache):
             self._drop_marker(h)
         for h in list(self._asked) + list(self._holds):
             self._forget(h)
+        if self.index is not None:
+            self.index.close()
         if self.asynchronous:
             self.lookups.close()
             self.stores.close()
@@ -286,9 +295,12 @@ class RadixdRadixCache(RadixCache):
             ids = np.concatenate([ids, _ids(req.output_ids)])
         n = len(ids) - 1  # the scheduler's key: all but the last token, whole pages
         n -= n % self.page_size
-        if n > 0:
-            self._ask(req.cache_request_handle, ids[:n], dict(extra_key=req.extra_key or "",
-                                                               cache_salt=req.cache_salt or ""))
+        ns = dict(extra_key=req.extra_key or "", cache_salt=req.cache_salt or "")
+        if n > 0 and not self._known_miss(ids[:n], ns):
+            self._ask(req.cache_request_handle, ids[:n], ns)
+
+    def _known_miss(self, tokens: np.ndarray, ns: dict) -> bool:
+        return self.index is not None and self.index.known_miss(tokens, ns["cache_salt"])
 
     def _ask(self, handle: Any, tokens: np.ndarray, ns: dict) -> None:
         self._forget(handle)
@@ -353,6 +365,9 @@ class RadixdRadixCache(RadixCache):
         if hold is None or not _agree(hold.tokens, tokens):
             asked = self._asked.get(handle)
             if asked is None or not _agree(asked.tokens, tokens):
+                if self._known_miss(tokens, self._ns(key)):
+                    self._forget(handle)
+                    return None, 0
                 self._ask(handle, tokens, self._ns(key))  # none yet, or for other tokens
                 asked = self._asked[handle]
             hold = self._collect(handle, max(self.deadline - (time.monotonic() - asked.at), 0.0))
@@ -450,6 +465,9 @@ class RadixdRadixCache(RadixCache):
             if hold is not None and _agree(hold.tokens, tokens):  # attach to what its lookup locked
                 del self._holds[req.cache_request_handle]
                 plan.found = (hold.prefix, hold.receipt, hold.tokens)
+            elif self._known_miss(tokens, ns):  # radixd has none of it: every page goes, from the first
+                self._forget(req.cache_request_handle)
+                plan.found = (EMPTY, 0, tokens[:0])
             else:  # look radixd up first
                 self._forget(req.cache_request_handle)
                 self.lookups.submit(("store", self._sid), tokens, ns, load_back=False)

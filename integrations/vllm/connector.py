@@ -68,7 +68,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 
 from radixd.client import CacheClient, RadixdError
 from radixd.client.background import EMPTY, Lookups, Stores
-from radixd.client.events import MEDIA, BlockIndex
+from radixd.client.events import MEDIA, LocalIndex
 from radixd.server.config import DEFAULT_SOCKET
 
 from .layout import Geometry, geometry, load_blocks, probe_cpu_layout, save_blocks
@@ -84,7 +84,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("radixd.vllm")
-INDEX_NODE = "radixd"  # the one server the local index follows
 SUPPORTED_VLLM = "0.32.0"
 
 
@@ -284,8 +283,8 @@ def scheduler_stats(connector: RadixdConnector) -> dict[str, Any]:
     """What a scheduler-side connector cost vLLM's scheduler thread: per finished request, and radixd calls per
     step (a function, not a method: every public method of the connector is one of vLLM's hooks)."""
     sched = connector._sched
-    return dict(sched.meter.summary(), local_misses=sched.local_misses, lookup_rpcs=sched.lookups.rpcs,
-                index_current=sched.index is not None and sched.index.current(INDEX_NODE))
+    return dict(sched.meter.summary(), local_misses=sched.index.misses if sched.index else 0,
+                lookup_rpcs=sched.lookups.rpcs, index_current=sched.index is not None and sched.index.current())
 
 
 class _Meter:
@@ -390,16 +389,10 @@ class _Scheduler:
         self.lookups = Lookups(self.client, conn.load_back and not self.hybrid, self.background, hybrid=self.hybrid)
         self.background.first = self.lookups
         self.meter = _Meter()
-        self.local_misses = 0  # requests answered "nothing in radixd" from the index, no lookup made
-        self.index: Optional[BlockIndex] = None
+        self.index: Optional[LocalIndex] = None  # misses answered with no round trip (radixd with --kv-events)
         if conn.local_index and not info["storage"]:  # an L3 tier holds pages the events do not name
-            self.index = BlockIndex(self.page)
-            self.index.follow_grpc(INDEX_NODE, conn.target, conn.token, snapshot=True)
-            deadline = time.monotonic() + 2.0  # the snapshot, before the first request (not on its path)
-            while not self.index.current(INDEX_NODE) and time.monotonic() < deadline and \
-                    any(t.is_alive() for t in self.index.threads):
-                time.sleep(0.005)
-        self.index_media = MEDIA if conn.load_back or self.hybrid else ("GPU",)
+            self.index = LocalIndex(self.client, conn.target, self.page, conn.token,
+                                    MEDIA if conn.load_back or self.hybrid else ("GPU",))
 
     def _align(self, n: int) -> int:
         return max(n, 0) - max(n, 0) % self.page
@@ -422,15 +415,7 @@ class _Scheduler:
             self.running += 1
 
     def _known_miss(self, tokens: list[int], ns: dict[str, str]) -> bool:
-        """radixd holds not even the prompt's first page, by an index that has every event up to this engine's
-        own last store: a miss with no round trip (a page stored meanwhile elsewhere is a lost hit, never a
-        wrong load; a hit is still looked up and locked by radixd)."""
-        idx = self.index
-        if idx is None or not idx.current(INDEX_NODE, self.client.event_seq) or \
-                idx.leading(INDEX_NODE, tokens, ns["cache_salt"], self.index_media, pages=1):
-            return False
-        self.local_misses += 1
-        return True
+        return self.index is not None and self.index.known_miss(tokens, ns["cache_salt"])
 
     def matched(self, request: "Request", num_computed: int) -> Optional[int]:
         """Tokens radixd holds beyond vLLM's own (never the last prompt token, which the engine computes); None
