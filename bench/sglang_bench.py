@@ -11,7 +11,7 @@ requests). Two modes: "miss" (radixd cold: every request stores its pages) and "
 same prompts: every request loads them from radixd). RPCs per step: on the scheduler thread, and on the
 backend's lookup and store threads.
 
-    python bench/sglang_bench.py [--batches 1,16,128] [--prompts 256] [--length 256] [--page 16]
+    python bench/sglang_bench.py [--batches 1,16,128] [--prompts 256] [--length 256] [--page 16] [--events on|off]
 
 Last line: RESULT sched_p50_us_<mode>_<batch>=... extra_p50_us_<mode>_<batch>=... (over SGLang's own cache)
 max_rpcs_per_step_<mode>_<batch>=...
@@ -147,6 +147,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=256)
     ap.add_argument("--length", type=int, default=256)
     ap.add_argument("--page", type=int, default=16)
+    ap.add_argument("--events", default="on", choices=["on", "off"],
+                    help="radixd's --kv-events: on, the backend answers misses from its local index (no lookup)")
     ap.add_argument("--engine", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.engine:
@@ -161,7 +163,7 @@ def main() -> None:
     for batch in [int(x) for x in args.batches.split(",")]:
         srv = ServerProc("--num-slots", str(4 * args.prompts * (args.length + args.page)), "--page-size",
                          str(args.page), "--layers", str(LAYERS), "--kv-heads", str(HEADS), "--head-dim", str(DIM),
-                         "--dtype", "float32")
+                         "--dtype", "float32", *(("--kv-events",) if args.events == "on" else ()))
         try:
             r = subprocess.run([py, __file__, "--engine", srv.target, "--batches", str(batch), "--prompts",
                                 str(args.prompts), "--length", str(args.length), "--page", str(args.page)],
