@@ -165,6 +165,26 @@ def test_a_miss_makes_no_round_trip_when_radixd_publishes_events(model_dir, refe
 
 
 @needs_vllm
+def test_asynchronous_saves_store_the_true_bytes_on_the_real_engine(model_dir, reference):
+    """async_save on: engine A's stores land after its step (on a copy thread) and are published once they have
+    (its next generate call's first step learns of them); engine B then loads the pages from radixd and generates
+    what an engine without a connector does. Nothing is left locked or held."""
+    srv = _server(model_dir)
+    extra = ["--extra", json.dumps({"async_save": True})]
+    other = [random.Random(9).randrange(3, 512) for _ in range(40)]
+    try:
+        with CacheClient(srv.target, name="test") as c:
+            a = _engine(model_dir, [P, other], srv.target, extra=extra)
+            assert a[0]["tokens"] == reference[2]["tokens"] and a[0]["cached"] == 0
+            assert _settled(c)["cached_tokens"] >= 192
+            b = _engine(model_dir, [P + SUFFIX], srv.target, extra=extra)
+            assert b[0]["cached"] == 192 and b[0]["tokens"] == reference[0]["tokens"]  # A's bytes, loaded
+            _settled(c)
+    finally:
+        srv.stop()
+
+
+@needs_vllm
 def test_pages_vllm_had_locally_are_stored_when_radixd_lacks_them(model_dir):
     srv = _server(model_dir)
     try:

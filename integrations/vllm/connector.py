@@ -20,12 +20,14 @@ No radixd call blocks vLLM's scheduler thread in the steady state:
                               CacheUnfinished for all (it frees duplicates and re-locks the longer prefix);
   request_finished            the store thread releases the request's lock after its last publish.
 Worker side: maps radixd's device pool, checks the geometry, and copies whole pages, converting layouts exactly:
-loads in `start_load_kv` before the forward (on a side stream on GPU, waited for); stores launched in
-`wait_for_save` after it (on the side stream on GPU, on a copy thread on CPU) and not waited for: a store is
-reported (then published) once it has landed, `request_finished` keeps a finished request's blocks until its
-copies have landed (`get_finished`), and `handle_preemptions` waits for a preempted request's copies before
-its blocks go to others. Hybrid models copy synchronously (vLLM lets sliding-window and state blocks go while a
-request runs).
+loads in `start_load_kv` before the forward and stores in `wait_for_save` after it (on a side stream on GPU),
+both waited for. With `async_save` the stores are launched there and not waited for (their own stream on GPU, a
+copy thread on CPU): a store is reported (then published) once it has landed, `request_finished` keeps a
+finished request's blocks until its copies have landed (`get_finished`), and `handle_preemptions` waits for a
+preempted request's copies before its blocks go to others. The engine learns of landed copies at its next step:
+an offline `LLM.generate` leaves its last step's stores to the next call, and stores still out when the engine
+shuts down are dropped. Hybrid models always copy synchronously (vLLM lets sliding-window and state blocks go
+while a request runs).
 Hybrid models (sliding window): `RadixdHybridConnector` is the same connector with vLLM's `SupportsHMA`, so
 vLLM keeps its hybrid KV cache manager (a block table per KV cache group, null blocks outside a window) and
 radixd, started with `--hybrid-cache --model-config` of the same model, holds the full-attention layers in its
@@ -45,7 +47,7 @@ be in it yet: a lost hit, never a wrong load, as a hit is always looked up and l
 Configure with `kv_connector_extra_config`: `radixd_target` (default `$RADIXD_TARGET` or the default
 socket), `radixd_token`, `load_back` (default true), `lookup_deadline_ms` (default 200),
 `slot_stock_tokens` (the most slots held ready for stores, default 8192), `local_index` (default true),
-`async_save` (default true).
+`async_save` (default false; on this project's 2-core CPU runs it was slower, see bench/vllm_bench.py).
 """
 from __future__ import annotations
 
@@ -151,9 +153,10 @@ class RadixdConnector(KVConnectorBase_V1):
         self.slot_stock = int(extra.get("slot_stock_tokens", 8192))  # most slots held ready for stores
         self.local_index = str(extra.get("local_index", "true")).lower() not in ("0", "false", "no")
         self.hma = isinstance(self, SupportsHMA)
-        # stores copied after wait_for_save returns (a finished request's blocks wait for them); a hybrid model's
-        # sliding-window and state blocks are released while the request runs, so its copies stay synchronous
-        self.async_save = not self.hma and str(extra.get("async_save", "true")).lower() not in ("0", "false", "no")
+        # stores copied after wait_for_save returns (a finished request's blocks wait for them); off by default: on
+        # CPU the copy thread competes with the forward for the cores and the GIL (measured slower), on GPU it is
+        # unmeasured yet. A hybrid model's sliding-window and state blocks go while the request runs: never there
+        self.async_save = not self.hma and str(extra.get("async_save", "false")).lower() in ("1", "true", "yes")
         self.block_size = vllm_config.cache_config.block_size
         self.cache_dtype = vllm_config.cache_config.cache_dtype
         self.model_dtype = vllm_config.model_config.dtype
@@ -380,7 +383,7 @@ class _Scheduler:
         self.reqs: dict[str, _Req] = {}
         self.stores: dict[int, tuple[str, int, int, np.ndarray]] = {}  # id -> (request, start, end, slots)
         self._next = 0
-        self.running = 0  # requests past their lookup and not finished: the engine has other work
+        self.running = 0  # requests past their lookup that vLLM has not finished: the engine has other work
         self.hits = 0  # tokens loaded from radixd (for tests and logs)
         self.rpcs = 0  # calls made on the scheduler thread
         self.mamba = "mamba" in conn.groups  # state layers: every store carries the state as of its end
@@ -588,20 +591,20 @@ class _Scheduler:
         """The request is done: its lock goes once its stores are published. Whether any store of its blocks was
         planned (with asynchronous saves its blocks must wait for the workers' copies)."""
         st = self.reqs.get(rid)
-        if st is None:
-            return False
+        if st is None or st.finished:  # (close() after vLLM's own request_finished)
+            return st is not None and st.saved
         st.finished = True
         if st.pending:  # finished (or aborted) before its lookup came back
             st.pending = False
-            self.running += 1
             self.lookups.drop(rid)
+        else:  # vLLM has one request fewer to run (its stores may still be landing: the engine need not wait)
+            self.running -= 1
         if not st.inflight:  # otherwise the workers' report of this step's stores finishes it
             self._finish(rid)
         return st.saved
 
     def _finish(self, rid: str) -> None:
         st = self.reqs.pop(rid)
-        self.running -= 1
         n = self._align(len(st.tokens))  # a finished request: hits counted and host backups started
         self.background.release(rid, np.asarray(st.tokens[:n], dtype=np.int32), st.ns)
 
