@@ -70,7 +70,7 @@ def engine_side(target: str, batch: int, prompts: int, length: int, page: int) -
         cache, r2t, kv, alloc = build(backend)
         spent: list[float] = []
         steps: list[tuple[int, int, int]] = []
-        phases = dict(queued=0.0, match=0.0, load_back=0.0, checkpoint=0.0, release=0.0)
+        phases = dict(queued=0.0, match=0.0, load_back=0.0, checkpoint=0.0, release=0.0, evict=0.0)
         for g in range(0, prompts, batch):
             reqs = [Req(f"{tag}{g + i}", texts[g + i], Kv(i + 1)) for i in range(min(batch, prompts - g))]
             before = (getattr(cache, "rpcs", 0), *((cache.lookups.rpcs, cache.stores.rpcs) if backend else (0, 0)))
@@ -96,7 +96,14 @@ def engine_side(target: str, batch: int, prompts: int, length: int, page: int) -
                 lock = cache.lock(node)
                 times[i] += time.perf_counter() - t
                 have, n = len(prefix), len(ids)
-                new = alloc.alloc(-(-(n - have) // page) * page)
+                need = -(-(n - have) // page) * page
+                new = alloc.alloc(need)
+                if new is None:  # as SGLang's scheduler does: evict what it needs (the backend may wait for its
+                    t = time.perf_counter()  # stores to free SGLang's slots: timed, it is radixd's cost)
+                    cache.evict(EvictParams(num_tokens=need))
+                    phases["evict"] += time.perf_counter() - t
+                    times[i] += time.perf_counter() - t
+                    new = alloc.alloc(need)
                 assert new is not None, "the bench's pool is too small"
                 new = new[:n - have]
                 r2t.req_to_token[r.kv.req_pool_idx, :have] = prefix.to(torch.int32)
