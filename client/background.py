@@ -171,7 +171,9 @@ class Stores:
     """Publishes, releases and a stock of radixd slots, off an engine's scheduler thread. The thread owns each request's
     radixd lock (prefix slots and receipt) from the moment the scheduler hands it over; operations run in the
     order they were queued, batched per round: one CacheUnfinished for every publish (a request's second
-    publish goes in the next call, as it needs the first's receipt), one Unlock, one Free, one Alloc refill.
+    publish goes in the next call, as it needs the first's receipt), one Unlock, one Free, one Alloc refill. A
+    request released in the round of its last publish (one that ends at its prefill: a prefill node, a one-token
+    answer) is published by CacheFinished, which inserts and releases in one call.
     A model with state layers: each publish donates a state slot (the server keeps a copy of it, and the slot goes
     back into the stock after the call: no Free, no refill), so the stock keeps state slots too, and a release is
     an Unlock."""
@@ -293,6 +295,13 @@ class Stores:
         self._state_frees: list[int] = []
         for op in ops:
             kind, rid = op[0], op[1]
+            if kind == "release" and not (self.hybrid or self.states_max):
+                at = next((i for i, b in enumerate(batch) if b[0] == rid and not b[3]), None)
+                if at is not None:  # its last publish is in this round: one CacheFinished inserts and releases
+                    batch[at] = batch[at][:3] + (True,)
+                    self._held.pop(rid, None)
+                    self.refused.discard(rid)
+                    continue
             if kind in ("publish", "release") and any(b[0] == rid for b in batch):
                 self._publish(batch, frees, unlocks)  # its next call needs this one's receipt
                 batch = []

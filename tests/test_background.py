@@ -1,0 +1,85 @@
+"""The engines' store thread (`radixd.client.background.Stores`) against a real plain server: a request released in
+the round of its last publish is published and released by one CacheFinished; one released later takes the
+CacheUnfinished, then CacheFinished, path. Both leave the same cache, no lock and nothing held."""
+from __future__ import annotations
+
+import time
+import urllib.request
+
+import numpy as np
+
+from radixd.client import CacheClient
+from radixd.client.background import Lookups, Stores
+
+from .conftest import ServerProc
+
+PAGE = 4
+
+
+def _calls(srv: ServerProc) -> dict[str, float]:
+    """Successful RPCs per method, from the server's Prometheus endpoint."""
+    with urllib.request.urlopen(f"http://{srv.metrics_url.split('//')[1]}", timeout=10) as r:
+        lines = r.read().decode().splitlines()
+    out = {}
+    for ln in lines:
+        if ln.startswith("radixd_rpc_requests_total{") and 'code="OK"' in ln:
+            method = ln.split('method="')[1].split('"')[0]
+            out[method] = float(ln.rsplit(" ", 1)[1])
+    return out
+
+
+def _settle(stores: Stores) -> None:
+    deadline = time.monotonic() + 10
+    while not stores.idle() and time.monotonic() < deadline:
+        stores.wait_idle(0.1)
+    assert stores.idle()
+
+
+def test_a_release_in_the_round_of_its_publish_is_one_cachefinished():
+    srv = ServerProc("--num-slots", "256", "--page-size", str(PAGE))
+    c, probe = CacheClient(srv.target, name="engine"), CacheClient(srv.target, name="probe")
+    stores = Stores(c, PAGE, 64)
+    lookups = Lookups(c, False, stores)
+    stores.first = lookups
+    try:
+        base = np.arange(100, 108, dtype=np.int32)  # radixd holds its first page, locked by a lookup
+        c.cache_finished([dict(tokens=base[:PAGE], indices=c.alloc(PAGE))])
+        m = c.match_prefix(base, lock=True)
+        assert m.matched_len == PAGE and m.receipt_id
+        pages = stores.take_pages(2, wait=5)
+        pages_later = stores.take_pages(2, wait=5)
+        assert pages is not None and pages_later is not None
+        _settle(stores)
+        before = _calls(srv)
+        toks = np.concatenate([base, np.arange(200, 204, dtype=np.int32)])  # 3 pages: 1 held, 2 new
+        with stores._cv:  # both ops in one round, as a request that ends at its prefill queues them
+            stores._ops += [("hold", "r", m.indices, m.receipt_id),
+                            ("publish", "r", toks, PAGE, pages.reshape(-1), {}, False, 0, -1),
+                            ("release", "r", toks, {})]
+            stores._cv.notify_all()
+        _settle(stores)
+        after = _calls(srv)
+        assert after.get("CacheFinished", 0) - before.get("CacheFinished", 0) == 1
+        assert after.get("CacheUnfinished", 0) == before.get("CacheUnfinished", 0)
+        assert after.get("Unlock", 0) == before.get("Unlock", 0)
+        got = probe.match_prefix(toks)
+        assert got.matched_len == 12 and got.indices[PAGE:].tolist() == pages.reshape(-1).tolist()
+
+        other = np.arange(300, 308, dtype=np.int32)  # released in a later round: publish, then release
+        stores.publish("q", other, 0, pages_later.reshape(-1), {})
+        _settle(stores)
+        stores.release("q", other, {})
+        _settle(stores)
+        final = _calls(srv)
+        assert final.get("CacheUnfinished", 0) - after.get("CacheUnfinished", 0) == 1
+        assert final.get("CacheFinished", 0) - after.get("CacheFinished", 0) == 1
+        assert probe.match_prefix(other).matched_len == 8
+        s = probe.stats()
+        assert s["receipts"] == 0 and s["held_tokens"] == stores.stocked(), s
+        assert probe.check() == []
+    finally:
+        lookups.close()
+        stores.close()
+        c.close()
+        probe.close()
+        srv.stop()
