@@ -20,6 +20,13 @@ connector's lookup thread (MatchPrefix, LoadBack).
     python bench/vllm_bench.py [--lengths 512,1024,2048,4096] [--repeat 3] [--batches 1,16,128]
                                [--arch nemotron-h]
 
+CPU layout (--cpus): "split" (the default) runs every engine, C included, with one OpenMP thread fewer than the
+machine has CPUs, and pins radixd to the last CPU: the deployment vLLM's CPU backend recommends (cores kept
+for everything beside the forward, VLLM_CPU_NUM_OF_RESERVED_CPU). "shared" leaves vLLM's defaults: its
+OpenMP threads then spin on every CPU between parallel regions, so radixd's server and the connector's threads
+are scheduled against the forward and every CPU-ms they take stretches it (on 2 CPUs it measured 1.5-2x on a
+miss). The layout is printed with the results.
+
 --arch nemotron-h times the tiny Mamba2 hybrid instead (RadixdHybridConnector, radixd with --hybrid-cache, block
 64): a hit loads the attention pages and the Mamba state at the hit's end; --mamba-chunk sets how often a miss
 publishes a state (radixd's checkpoint interval).
@@ -48,6 +55,28 @@ ENGINE = ROOT / "tests" / "vllm_engine.py"
 BLOCK = 32
 
 
+_ENGINE_ENV: dict[str, str] = {}  # the engines' OpenMP threads (--cpus)
+
+
+def _layout(how: str) -> str:
+    """Set the engines' OpenMP threads for --cpus; what the run uses, in words."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if how == "split" and len(cpus) > 1:
+        _ENGINE_ENV["OMP_NUM_THREADS"] = str(len(cpus) - 1)
+        return f"split: engines with {len(cpus) - 1} OpenMP threads, radixd pinned to CPU {cpus[-1]}"
+    return f"shared: vLLM's default threads on {len(cpus)} CPUs, radixd unpinned"
+
+
+def _server(how: str, *args: str) -> ServerProc:
+    """A radixd server, pinned (every thread) to the last CPU under --cpus split."""
+    srv = ServerProc(*args)
+    cpus = sorted(os.sched_getaffinity(0))
+    if how == "split" and len(cpus) > 1:
+        for tid in os.listdir(f"/proc/{srv.proc.pid}/task"):
+            os.sched_setaffinity(int(tid), {cpus[-1]})
+    return srv
+
+
 def _python() -> str:
     for cand in (os.environ.get("RADIXD_VLLM_PYTHON"), ROOT / ".venv-vllm" / "bin" / "python"):
         if cand and Path(cand).exists():
@@ -66,7 +95,7 @@ def _engine(py: str, model: str, prompts: list[list[int]], target: str, max_len:
         cmd += ["--radixd", target] + (["--hybrid"] if hybrid else [])
     if stats:
         cmd += ["--stats", stats]
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": ""}
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": "", **_ENGINE_ENV}
     with open(os.path.join(d, "log"), "w") as log:
         p = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         rc = p.wait(1800)
@@ -89,10 +118,13 @@ def main() -> None:
     ap.add_argument("--arch", default="llama", choices=["llama", "nemotron-h"])
     ap.add_argument("--mamba-chunk", type=int, default=0, help="radixd's --mamba-chunk (nemotron-h): tokens between "
                                                                "published states (0: the config's chunk_size)")
+    ap.add_argument("--cpus", default="split", choices=["split", "shared"],
+                    help="split: engines get one OpenMP thread fewer than the CPUs, radixd the last CPU (see above)")
     ap.add_argument("--events", default="on", choices=["on", "off"],
                     help="radixd's --kv-events: on, the connector answers misses from its local index (no RPC)")
     args = ap.parse_args()
     py = _python()
+    print("CPU layout:", _layout(args.cpus))
     model = tempfile.mkdtemp(prefix="radixd-vllm-bench-model-")
     subprocess.run([py, str(ENGINE), model, "--arch", args.arch], check=True, env={**os.environ, "PYTHONPATH": ""})
     hybrid = args.arch != "llama"
@@ -105,7 +137,7 @@ def main() -> None:
     per = args.repeat + 1  # the first prompt of each length warms that shape up and is not counted
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in lengths for _ in range(per)]
     max_len = max(lengths) + 2 * block
-    srv = ServerProc("--num-slots", str(max(65536, 2 * sum(map(len, prompts)))), "--page-size", str(block),
+    srv = _server(args.cpus, "--num-slots", str(max(65536, 2 * sum(map(len, prompts)))), "--page-size", str(block),
                      "--model-config", os.path.join(model, "config.json"), *extra)
     try:
         c = _engine(py, model, [warm] + prompts, "", max_len)[1:]
@@ -140,7 +172,7 @@ def _scheduler_side(py: str, model: str, args) -> dict[str, float]:
           f"{'local misses':>12}")
     for batch in [int(x) for x in args.batches.split(",")]:
         block = 64 if args.arch != "llama" else BLOCK
-        srv = ServerProc("--num-slots", str(max(65536, 2 * args.batch_len * args.batch_prompts)),
+        srv = _server(args.cpus, "--num-slots", str(max(65536, 2 * args.batch_len * args.batch_prompts)),
                          "--page-size", str(block), "--model-config", os.path.join(model, "config.json"),
                          *(("--hybrid-cache", "--mamba-states", "2048", "--mamba-chunk", str(args.mamba_chunk))
                            if args.arch != "llama" else ()), *(("--kv-events",) if args.events == "on" else ()))

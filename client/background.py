@@ -179,8 +179,11 @@ class Stores:
     an Unlock."""
 
     def __init__(self, client: CacheClient, page: int, stock_max: int, linger: float = 0.002, hybrid: bool = False,
-                 states: int = 0):
+                 states: int = 0, capacity: int = 0):
         self.client, self.page, self.stock_max, self.linger = client, page, stock_max, linger
+        # the stock grows by doubling up to this: at most an eighth of the server (`capacity` tokens, 0: unknown),
+        # so that slots held ready never crowd out the cache of a small server
+        self.grow_max = min(stock_max, capacity // 8) if capacity else stock_max
         self.hybrid = hybrid  # a hybrid model's server: the stock keeps each page's SWA twin page too
         self.states_max = states  # most state slots held ready (0: the model has no state layers)
         self._twins = np.zeros((0, page), np.int64)
@@ -234,9 +237,10 @@ class Stores:
 
     def take_pages(self, n: int, wait: float = 0.0, states: int = 0) -> Optional[Any]:
         """n stocked pages (rows of slots), or None when the stock is short (after waiting up to `wait` for
-        refills); the stock is kept at twice the most pages asked for between two refills (at most
-        `slot_stock_tokens`, or n when n is larger), refilled when it falls to half. For a hybrid model's server,
-        (pages, their SWA twin pages, `states` state slots)."""
+        refills); the stock is kept at twice the most pages asked for between two refills, doubled at every
+        refill while stores keep coming (at most `slot_stock_tokens`, or n when n is larger), and refilled when
+        it falls to half: under a steady stream of stores one Alloc serves many requests. For a hybrid model's
+        server, (pages, their SWA twin pages, `states` state slots)."""
         with self._cv:
             self._taken += n
             self._taken_states += states
@@ -406,6 +410,9 @@ class Stores:
     def _refill(self) -> None:
         with self._cv:
             refill = self._needs_refill()
+            if refill:  # stores keep coming: a larger stock next time (one Alloc per more requests)
+                self._want = max(self._want, min(2 * self._want, self.grow_max // self.page))
+                self._want_states = max(self._want_states, min(2 * self._want_states, self.states_max))
             short = max(self._want - len(self._stock), 0) if refill else 0
             short_states = max(self._want_states - len(self._states), 0) if refill else 0
             self._taken = self._taken_states = 0

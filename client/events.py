@@ -87,6 +87,11 @@ def _key(ev: dict) -> str:
     return ev["medium"] if not group else f"{ev['medium']}/{group}"
 
 
+def _lead(hashes: list, have: list) -> int:
+    """How many of `hashes`, from the first, some counter in `have` holds."""
+    return next((i for i, h in enumerate(hashes) if not any(h in c for c in have)), len(hashes))
+
+
 class BlockIndex:
     """What a cache-aware router keeps: per node and medium, the block hashes it holds (a multiset). Followed
     with a snapshot (`follow_grpc(..., snapshot=True)`) it is complete and knows how far it has read, so an
@@ -156,9 +161,7 @@ class BlockIndex:
         with self._lock:
             for node, media in self._nodes.items():
                 gpu, cpu = media.get("GPU", Counter()), media.get("CPU_PINNED", Counter())
-                dev = next((i for i, h in enumerate(hashes) if h not in gpu), len(hashes))
-                both = next((i for i, h in enumerate(hashes) if h not in gpu and h not in cpu), len(hashes))
-                out[node] = {"GPU": dev, "any": both}
+                out[node] = {"GPU": _lead(hashes, [gpu]), "any": _lead(hashes, [gpu, cpu])}
         return out
 
     def leading(self, node: str, tokens: Any, cache_salt: str = "", media: tuple[str, ...] = MEDIA,
@@ -167,8 +170,7 @@ class BlockIndex:
         n = len(tokens) // self.page_size if pages is None else min(pages, len(tokens) // self.page_size)
         hashes = token_block_hashes(tokens[:n * self.page_size], self.page_size, cache_salt)
         with self._lock:
-            have = [c for m, c in self._nodes.get(node, {}).items() if m in media]
-            return next((i for i, h in enumerate(hashes) if not any(h in c for c in have)), len(hashes))
+            return _lead(hashes, [c for m, c in self._nodes.get(node, {}).items() if m in media])
 
     def current(self, node: str, seq: int = 0) -> bool:
         """Whether this index holds `node`'s whole state (its snapshot applied, its stream live) as of every

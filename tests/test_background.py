@@ -83,3 +83,35 @@ def test_a_release_in_the_round_of_its_publish_is_one_cachefinished():
         c.close()
         probe.close()
         srv.stop()
+
+
+def test_the_slot_stock_grows_so_one_alloc_serves_many_stores_and_never_past_an_eighth_of_the_server():
+    """A steady stream of stores: the stock doubles at each refill up to slot_stock_tokens, so Allocs become rare;
+    on a server whose eighth is smaller, the stock stops there (slots held ready must not crowd out the cache)."""
+    for capacity, stock_max, want_max in ((8192, 1024, 1024), (1024, 1024, 128)):
+        srv = ServerProc("--num-slots", str(capacity), "--page-size", str(PAGE))
+        c, probe = CacheClient(srv.target, name="engine"), CacheClient(srv.target, name="probe")
+        stores = Stores(c, PAGE, stock_max, capacity=probe.info()["capacity_tokens"])
+        try:
+            before = _calls(srv).get("Alloc", 0)
+            short, most = 0, 0
+            for _ in range(100):  # a request of 2 pages per round, as a scheduler step of one short prompt
+                got = stores.take_pages(2, wait=5)
+                short += got is None
+                if got is not None:
+                    stores.free(got.reshape(-1))
+                _settle(stores)
+                most = max(most, stores.stocked())
+            allocs = _calls(srv).get("Alloc", 0) - before
+            assert short == 0
+            assert most <= want_max, (capacity, most)
+            assert stores._want * PAGE == want_max  # it did grow to its bound
+            if want_max >= 1024:
+                assert allocs <= 10, allocs  # without the growth: one refill per 2 requests (50)
+            s = probe.stats()
+            assert s["held_tokens"] == stores.stocked() and probe.check() == [], s
+        finally:
+            stores.close()
+            c.close()
+            probe.close()
+            srv.stop()

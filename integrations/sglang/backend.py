@@ -49,6 +49,7 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 from radixd.client import CacheClient, RadixdError
 from radixd.client.background import EMPTY, Lookups, Stores
 from radixd.client.events import MEDIA, LocalIndex
+from radixd.client.pools import populate_in_background
 from radixd.server.config import DEFAULT_SOCKET
 
 if TYPE_CHECKING:
@@ -153,6 +154,7 @@ class RadixdRadixCache(RadixCache):
         kv = self.token_to_kv_pool_allocator.get_kvcache()
         self.k, self.v = kv.k_buffer, kv.v_buffer
         self.pools = self.client.map_pools(self.k[0].device)
+        populate_in_background(self.pools.device)  # the first copy into each page takes no page fault
         dev = self.pools.device[0]
         d = dev.descriptor
         heads = self.k[0].shape[1]  # this rank's KV heads; radixd holds all ranks' side by side
@@ -179,7 +181,7 @@ class RadixdRadixCache(RadixCache):
         self._plans: list[_Plan] = []
         self._sid = 0
         if self.asynchronous:
-            self.stores = Stores(self.client, self.page_size, slot_stock_tokens)
+            self.stores = Stores(self.client, self.page_size, slot_stock_tokens, capacity=info["capacity_tokens"])
             self.lookups = Lookups(self.client, load_back, self.stores)
             self.stores.first = self.lookups
         self.index: Optional[LocalIndex] = None  # misses answered with no round trip (radixd with --kv-events)

@@ -71,6 +71,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 from radixd.client import CacheClient, RadixdError
 from radixd.client.background import EMPTY, Lookups, Stores
 from radixd.client.events import MEDIA, LocalIndex
+from radixd.client.pools import populate_in_background
 from radixd.server.config import DEFAULT_SOCKET
 
 from .layout import Geometry, geometry, load_blocks, probe_cpu_layout, save_blocks
@@ -388,7 +389,7 @@ class _Scheduler:
         self.rpcs = 0  # calls made on the scheduler thread
         self.mamba = "mamba" in conn.groups  # state layers: every store carries the state as of its end
         self.background = Stores(self.client, self.page, conn.slot_stock, hybrid=self.hybrid,
-                                 states=8 if self.mamba else 0)
+                                 states=8 if self.mamba else 0, capacity=info["capacity_tokens"])
         self.lookups = Lookups(self.client, conn.load_back and not self.hybrid, self.background, hybrid=self.hybrid)
         self.background.first = self.lookups
         self.meter = _Meter()
@@ -693,6 +694,7 @@ class _Worker:
             self.pools = client.map_pools(self.layers[0].device)
         finally:
             client.close()
+        populate_in_background(self.pools.device + [p for p in (self.pools.swa, self.pools.state) if p is not None])
         dev = self.pools.device[0]
         if self.conn.hma:
             self.plan = self._hybrid_plan(names, info)

@@ -10,7 +10,8 @@ consecutive slots, K after RoPE, exactly as the model computed it. vLLM's block 
          giving a permutation of the block that converts exactly; a kernel whose block is not a
          permutation of K and V (quantized, padded in ways that lose elements) is refused at start.
   flash  [2, num_blocks, block_size, kv_heads, head_dim] (FlashAttention on GPU; index 0 is K).
-A page moves in one gather or scatter per layer; values are copied exactly.
+A page moves in one gather or scatter per layer; values are copied exactly. A CPU block that is a strided view of
+K and V (the vec kernels') is copied through views of it, without the general per-element gather.
 """
 from __future__ import annotations
 
@@ -102,9 +103,60 @@ def _probed(g: Geometry, device: torch.device) -> tuple[torch.Tensor, torch.Tens
     return pos.to(device), src.to(device), gather.to(device), bool(g.written.all())
 
 
+@functools.lru_cache(maxsize=16)
+def _strided(g: Geometry) -> Optional[tuple[bool, bool, bool]]:
+    """The probed block as strided views, when it is one (vLLM 0.32.0's vec kernels: per head, K column-major
+    then V row-major): (heads outermost, K column-major, V column-major); None for any other permutation or
+    padding, which takes the general gather."""
+    if g.source is None or not bool(g.written.all()):
+        return None
+    b, h, d = g.block_size, g.kv_heads, g.head_dim
+    ids = torch.arange(2 * b * h * d, dtype=torch.int64).view(2, b, h, d)  # the probe's element ids
+    for heads_out in (True, False):
+        for k_cols in (False, True):
+            for v_cols in (False, True):
+                chunk = {(kind, head): (ids[kind, :, head].t() if (k_cols, v_cols)[kind] else ids[kind, :, head])
+                         for kind in (0, 1) for head in range(h)}
+                order = [(kind, head) for head in range(h) for kind in (0, 1)] if heads_out else \
+                    [(kind, head) for kind in (0, 1) for head in range(h)]
+                if torch.equal(torch.cat([chunk[o].reshape(-1) for o in order]), g.source):
+                    return heads_out, k_cols, v_cols
+    return None
+
+
+def _views(rows: torch.Tensor, g: Geometry, form: tuple[bool, bool, bool]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks [n, block elements] -> their K and V as [n, block_size, kv_heads, head_dim] views."""
+    n, b, h, d = rows.shape[0], g.block_size, g.kv_heads, g.head_dim
+    heads_out, k_cols, v_cols = form
+    x = rows.view(n, h, 2, b * d) if heads_out else rows.view(n, 2, h, b * d).transpose(1, 2)
+    out = []
+    for kind, cols in ((0, k_cols), (1, v_cols)):
+        part = x[:, :, kind]  # [n, h, b * d]
+        out.append(part.unflatten(2, (d, b)).permute(0, 3, 1, 2) if cols else
+                   part.unflatten(2, (b, d)).permute(0, 2, 1, 3))
+    return out[0], out[1]
+
+
+def _pages(buf: torch.Tensor, page_starts: torch.Tensor, b: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """radixd's buffer as [pages, block_size, heads, dim] and the pages' numbers, when every page is aligned
+    (radixd's allocator hands out aligned pages; anything else takes the slot-by-slot path)."""
+    if buf.shape[0] % b or bool((page_starts % b).any()):
+        return None
+    return buf.view(-1, b, *buf.shape[1:]), page_starts // b
+
+
 def load_blocks(kv: torch.Tensor, g: Geometry, blocks: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 page_starts: torch.Tensor) -> None:
     """radixd pages (first slot of each) -> vLLM blocks, for one layer."""
+    form = _strided(g) if g.layout == "cpu" else None
+    kp, vp = _pages(k, page_starts, g.block_size), _pages(v, page_starts, g.block_size)
+    if form is not None and kp is not None and vp is not None and kv.dtype == k.dtype == v.dtype:
+        rows = torch.empty(blocks.numel(), kv[0].numel(), dtype=kv.dtype, device=kv.device)
+        kd, vd = _views(rows, g, form)
+        kd.copy_(kp[0].index_select(0, kp[1]))
+        vd.copy_(vp[0].index_select(0, vp[1]))
+        kv.view(g.num_blocks, -1).index_copy_(0, blocks, rows)
+        return
     idx = _page_index(page_starts, g.block_size)
     n, b = blocks.numel(), g.block_size
     ks = k.index_select(0, idx).view(n, b, g.kv_heads, g.head_dim)
@@ -127,6 +179,13 @@ def load_blocks(kv: torch.Tensor, g: Geometry, blocks: torch.Tensor, k: torch.Te
 def save_blocks(kv: torch.Tensor, g: Geometry, blocks: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 page_starts: torch.Tensor) -> None:
     """vLLM blocks -> radixd pages (first slot of each), for one layer."""
+    form = _strided(g) if g.layout == "cpu" else None
+    kp, vp = _pages(k, page_starts, g.block_size), _pages(v, page_starts, g.block_size)
+    if form is not None and kp is not None and vp is not None and kv.dtype == k.dtype == v.dtype:
+        ks, vs = _views(kv.view(g.num_blocks, -1).index_select(0, blocks), g, form)
+        kp[0].index_copy_(0, kp[1], ks)
+        vp[0].index_copy_(0, vp[1], vs)
+        return
     idx = _page_index(page_starts, g.block_size)
     n, b = blocks.numel(), g.block_size
     if g.layout == "cpu":
