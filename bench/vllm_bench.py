@@ -22,10 +22,9 @@ connector's lookup thread (MatchPrefix, LoadBack).
 
 CPU layout (--cpus): "split" (the default) runs every engine, C included, with one OpenMP thread fewer than the
 machine has CPUs, and pins radixd to the last CPU: the deployment vLLM's CPU backend recommends (cores kept
-for everything beside the forward, VLLM_CPU_NUM_OF_RESERVED_CPU). "shared" leaves vLLM's defaults: its
-OpenMP threads then spin on every CPU between parallel regions, so radixd's server and the connector's threads
-are scheduled against the forward and every CPU-ms they take stretches it (on 2 CPUs it measured 1.5-2x on a
-miss). The layout is printed with the results.
+for everything beside the forward, VLLM_CPU_NUM_OF_RESERVED_CPU). "shared" leaves vLLM's defaults: on 2 CPUs
+its second OpenMP thread was measured spinning on 93% of a CPU while the engine served hits, so radixd's server
+and the connector's threads run against the forward or the spin. The layout is printed with the results.
 
 --arch nemotron-h times the tiny Mamba2 hybrid instead (RadixdHybridConnector, radixd with --hybrid-cache, block
 64): a hit loads the attention pages and the Mamba state at the hit's end; --mamba-chunk sets how often a miss
