@@ -119,10 +119,10 @@ class RadixdWorkerMetadata(KVConnectorWorkerMetadata):
 
 @dataclass
 class _Req:
-    tokens: list[int]
+    tokens: np.ndarray  # the prompt, int32, converted once: lookups, publishes and the release take slices of it
     ns: dict[str, str]
-    prefix: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # radixd's hit (locked), for loads
-    swa: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # hybrid: the hit's SWA twins
+    prefix: np.ndarray = field(default_factory=lambda: EMPTY)  # radixd's hit (locked), for loads
+    swa: np.ndarray = field(default_factory=lambda: EMPTY)  # hybrid: the hit's SWA twins
     state: int = -1  # state layers: radixd's state slot as of the hit's end (pinned by the lock)
     local: int = 0  # vLLM's own computed tokens when matched
     load: Optional[tuple[int, int]] = None  # (first token, tokens) to load this step
@@ -408,7 +408,7 @@ class _Scheduler:
         if rid in self.reqs or request.prompt_token_ids is None:
             return
         toks = request.prompt_token_ids
-        st = _Req(list(toks), _namespace(request))
+        st = _Req(np.asarray(toks, dtype=np.int32), _namespace(request))
         self.reqs[rid] = st
         # every whole page: what radixd has need not be stored again; with state layers only up to the last
         # loadable token, as the state radixd hands back sits exactly at the hit's end
@@ -416,7 +416,7 @@ class _Scheduler:
         if n and self._align(len(toks) - 1) and not self._known_miss(toks, st.ns):
             st.pending, st.asked = True, time.monotonic()
             # with nothing else running the engine waits for this answer next: no lingering for company
-            self.lookups.submit(rid, np.asarray(toks[:n], dtype=np.int32), st.ns, now=self.running == 0)
+            self.lookups.submit(rid, st.tokens[:n], st.ns, now=self.running == 0)
         else:
             self.running += 1
 
@@ -585,7 +585,7 @@ class _Scheduler:
                     st.storing = False
                 continue
             st.inflight.discard(sid)
-            self.background.publish(rid, np.asarray(st.tokens[:end], dtype=np.int32), start, slots, st.ns,
+            self.background.publish(rid, st.tokens[:end], start, slots, st.ns,
                                     swa_floor=floor, state=state)
         for rid in [rid for rid, st in self.reqs.items() if st.finished and not st.inflight]:
             self._finish(rid)
@@ -609,7 +609,7 @@ class _Scheduler:
     def _finish(self, rid: str) -> None:
         st = self.reqs.pop(rid)
         n = self._align(len(st.tokens))  # a finished request: hits counted and host backups started
-        self.background.release(rid, np.asarray(st.tokens[:n], dtype=np.int32), st.ns)
+        self.background.release(rid, st.tokens[:n], st.ns)
 
     def close(self) -> None:
         for rid in list(self.reqs):
