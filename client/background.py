@@ -29,7 +29,6 @@ class Lookups:
         # by one): one MatchPrefix for the burst instead of one each; a waiter starts the round at once
         self.linger = linger
         self._waiters = 0
-        self._urgent = False  # a submitted key the engine will wait for: no lingering
         self._cv = threading.Condition()
         self._queue: list[tuple[Hashable, np.ndarray, tuple, bool]] = []
         self._done: dict[Hashable, tuple[np.ndarray, int]] = {}
@@ -40,14 +39,11 @@ class Lookups:
         self._thread = threading.Thread(target=self._run, name="radixd-lookups", daemon=True)
         self._thread.start()
 
-    def submit(self, rid: Hashable, tokens: np.ndarray, ns: dict[str, str], load_back: Optional[bool] = None,
-               now: bool = False) -> None:
-        """Look the tokens up (locking what matched); `load_back` overrides the default for this key; `now`
-        starts the round without lingering for more (the engine has nothing else to run: it will wait for it)."""
+    def submit(self, rid: Hashable, tokens: np.ndarray, ns: dict[str, str], load_back: Optional[bool] = None) -> None:
+        """Look the tokens up (locking what matched); `load_back` overrides the default for this key."""
         with self._cv:
             self._queue.append((rid, tokens, tuple(sorted(ns.items())), self.load_back if load_back is None
                                 else load_back))
-            self._urgent = self._urgent or now
             self._cv.notify_all()
 
     def take(self, rid: Hashable, wait: float = 0.0) -> Optional[tuple[np.ndarray, int]]:
@@ -80,13 +76,13 @@ class Lookups:
                 if self._stop and not self._queue:
                     return
                 until = time.monotonic() + self.linger
-                while not self._stop and not self._waiters and not self._urgent:
+                while not self._stop and not self._waiters:
                     left = until - time.monotonic()
                     if left <= 0:
                         break
                     self._cv.wait(left)
                 batch, self._queue = self._queue, []
-                self._busy, self._urgent = True, False
+                self._busy = True
             results, failed = {}, []
             try:
                 results, failed = self._lookup(batch)

@@ -115,36 +115,3 @@ def test_the_slot_stock_grows_so_one_alloc_serves_many_stores_and_never_past_an_
             c.close()
             probe.close()
             srv.stop()
-
-
-def test_a_lookup_the_engine_will_wait_for_starts_without_lingering_and_takes_the_queue_with_it():
-    """Lookups linger for company while nobody waits; a key submitted with now=True (the engine has nothing else to
-    run) starts the round at once, and the keys queued before it go in the same MatchPrefix."""
-    srv = ServerProc("--num-slots", "256", "--page-size", str(PAGE))
-    c = CacheClient(srv.target, name="engine")
-    stores = Stores(c, PAGE, 64)
-    lookups = Lookups(c, False, stores, linger=60.0)
-    try:
-        toks = np.arange(100, 108, dtype=np.int32)
-        c.cache_finished([dict(tokens=toks, indices=c.alloc(8))])
-        lookups.submit("a", toks, {})
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < 0.5:  # lingering: nothing is asked yet
-            assert lookups.take("a") is None and lookups.rpcs == 0
-        lookups.submit("b", toks[:4], {}, now=True)
-        deadline = time.monotonic() + 10
-        while not lookups.idle() or lookups.rpcs == 0:
-            assert time.monotonic() < deadline, "the urgent round did not start"
-            lookups.wait_idle(0.05) if lookups.rpcs else time.sleep(0.005)
-        a, b = lookups.take("a"), lookups.take("b")
-        assert lookups.rpcs == 1 and len(a[0]) == 8 and len(b[0]) == 4  # one MatchPrefix for both
-        stores.unlock(a[1])
-        stores.unlock(b[1])
-        _settle(stores)
-        with CacheClient(srv.target, attach=False) as probe:
-            assert probe.stats()["receipts"] == 0
-    finally:
-        lookups.close()
-        stores.close()
-        c.close()
-        srv.stop()

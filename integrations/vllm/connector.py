@@ -6,9 +6,8 @@ No radixd call blocks vLLM's scheduler thread in the steady state:
   on_new_request              a miss at once, with no round trip, when the local index (below) shows radixd
                               holds not even the prompt's first page; otherwise starts the lookup:
                               MatchPrefix(lock) on the prompt's whole pages, batched with every request that
-                              arrived meanwhile, on the lookup thread (at once when the engine has nothing
-                              else to run; a LoadBack first, and its copy waited for there, when radixd holds
-                              more on its host tier);
+                              arrived meanwhile, on the lookup thread (a LoadBack first, and its copy waited
+                              for there, when radixd holds more on its host tier);
   get_num_new_matched_tokens  the pages beyond vLLM's own hit (never the last prompt token); None ("ask
                               again next step") while the lookup is out and the engine has other requests;
                               with nothing else to run it waits for the answer; past `lookup_deadline_ms`
@@ -415,8 +414,7 @@ class _Scheduler:
         n = self._align(len(toks) - 1) if self.mamba else self._align(len(toks))
         if n and self._align(len(toks) - 1) and not self._known_miss(toks, st.ns):
             st.pending, st.asked = True, time.monotonic()
-            # with nothing else running the engine waits for this answer next: no lingering for company
-            self.lookups.submit(rid, st.tokens[:n], st.ns, now=self.running == 0)
+            self.lookups.submit(rid, st.tokens[:n], st.ns)
         else:
             self.running += 1
 
