@@ -145,12 +145,24 @@ def _pages(buf: torch.Tensor, page_starts: torch.Tensor, b: int) -> Optional[tup
     return buf.view(-1, b, *buf.shape[1:]), page_starts // b
 
 
+def _fast(kv: torch.Tensor, g: Geometry, k: torch.Tensor, v: torch.Tensor, page_starts: torch.Tensor):
+    """(block form, radixd's K pages, V pages) when a copy can go through strided views: a CPU block that is one,
+    aligned pages, one dtype; else None (the general gather). Nothing is computed for a GPU layout."""
+    if g.layout != "cpu" or not kv.dtype == k.dtype == v.dtype:
+        return None
+    form = _strided(g)
+    if form is None:
+        return None
+    kp, vp = _pages(k, page_starts, g.block_size), _pages(v, page_starts, g.block_size)
+    return None if kp is None or vp is None else (form, kp, vp)
+
+
 def load_blocks(kv: torch.Tensor, g: Geometry, blocks: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 page_starts: torch.Tensor) -> None:
     """radixd pages (first slot of each) -> vLLM blocks, for one layer."""
-    form = _strided(g) if g.layout == "cpu" else None
-    kp, vp = _pages(k, page_starts, g.block_size), _pages(v, page_starts, g.block_size)
-    if form is not None and kp is not None and vp is not None and kv.dtype == k.dtype == v.dtype:
+    fast = _fast(kv, g, k, v, page_starts)
+    if fast is not None:
+        form, kp, vp = fast
         rows = torch.empty(blocks.numel(), kv[0].numel(), dtype=kv.dtype, device=kv.device)
         kd, vd = _views(rows, g, form)
         kd.copy_(kp[0].index_select(0, kp[1]))
@@ -179,9 +191,9 @@ def load_blocks(kv: torch.Tensor, g: Geometry, blocks: torch.Tensor, k: torch.Te
 def save_blocks(kv: torch.Tensor, g: Geometry, blocks: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 page_starts: torch.Tensor) -> None:
     """vLLM blocks -> radixd pages (first slot of each), for one layer."""
-    form = _strided(g) if g.layout == "cpu" else None
-    kp, vp = _pages(k, page_starts, g.block_size), _pages(v, page_starts, g.block_size)
-    if form is not None and kp is not None and vp is not None and kv.dtype == k.dtype == v.dtype:
+    fast = _fast(kv, g, k, v, page_starts)
+    if fast is not None:
+        form, kp, vp = fast
         ks, vs = _views(kv.view(g.num_blocks, -1).index_select(0, blocks), g, form)
         kp[0].index_copy_(0, kp[1], ks)
         vp[0].index_copy_(0, vp[1], vs)
