@@ -313,5 +313,36 @@ def test_checker_reports_corruption():
     node.lock_ref = 2
     assert any("lock_ref" in v for v in t.check())
     node.lock_ref = 0
-    node.last_access += 100  # stale heap key
+    node.last_access += 100  # LRU: a heap key behind its node's access is lazy, and legal (eviction re-sorts it)
+    assert t.check() == []
+    node.last_access -= 200  # ahead of it: an LRU key never falls
     assert any("stale" in v for v in t.check())
+    lfu = RadixTree(policy="lfu")  # any other policy: every change re-sorts at once
+    lfu.insert([1, 2, 3], [1, 2, 3])
+    lfu._nodes[lfu.match_prefix([1, 2, 3]).node_id].last_access += 100
+    assert any("stale" in v for v in lfu.check())
+
+
+def test_lazy_lru_evicts_in_access_order():
+    """Matches leave an LRU tree's heap entries behind; eviction still takes the least recently used leaf first,
+    exactly as a policy that re-sorts on every access (priority, all equal) does."""
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 50, 24).tolist() for _ in range(40)]
+    lazy, eager = RadixTree(page_size=4), RadixTree(page_size=4, policy="priority")
+    assert lazy._lazy and not eager._lazy
+    for t in (lazy, eager):
+        for i, p in enumerate(prompts):
+            t.insert(p, list(range(1000 * i, 1000 * i + len(p))))
+    for i, n in zip(rng.integers(0, 40, 300), rng.integers(4, 25, 300)):  # ends inside edges split them
+        for t in (lazy, eager):
+            t.match_prefix(prompts[i][:n])
+    pushed = len(lazy._heap)
+    for i in rng.integers(0, 40, 300):  # whole prompts: every match ends at a leaf
+        for t in (lazy, eager):
+            t.match_prefix(prompts[i])
+    assert len(lazy._heap) == pushed  # no entry per match
+    while lazy.cached_tokens:
+        n = int(rng.integers(1, 30))
+        a, b = lazy.evict(n), eager.evict(n)
+        assert a.freed.tolist() == b.freed.tolist()
+        assert lazy.check() == [] and eager.check() == []

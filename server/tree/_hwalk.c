@@ -297,6 +297,29 @@ static int path_push(Path *p, PyObject *node, Py_ssize_t ntok) {  /* steals node
     return 0;
 }
 
+static PyObject *probe;  /* a bytes object only find_child ever sees: rewritten in place for each dict lookup */
+
+/* A bytes key holding page, for a lookup only (a new reference): the probe when no one else holds it, so a walk
+ * allocates no key per level. */
+static PyObject *probe_key(const char *page, Py_ssize_t pb) {
+#if PY_VERSION_HEX >= 0x030F0000  /* bytes' cached hash is deprecated since 3.11: past 3.14, no probe */
+    return PyBytes_FromStringAndSize(page, pb);
+#else
+    if (probe == NULL || Py_REFCNT(probe) != 1 || PyBytes_GET_SIZE(probe) != pb) {
+        PyObject *fresh = PyBytes_FromStringAndSize(page, pb);
+        if (fresh != NULL && (probe == NULL || Py_REFCNT(probe) == 1))
+            Py_XSETREF(probe, Py_NewRef(fresh));
+        return fresh;
+    }
+    memcpy(PyBytes_AS_STRING(probe), page, (size_t)pb);
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+    ((PyBytesObject *)probe)->ob_shash = -1;  /* its cached hash was of the last page */
+#pragma GCC diagnostic pop
+    return Py_NewRef(probe);
+#endif
+}
+
 /* children[page] (a new reference), or NULL (with an error set, or none: no such child). A few children: their pages
  * are compared, no hash of ours to compute. */
 static PyObject *find_child(PyObject *children, const char *page, Py_ssize_t pb) {
@@ -308,15 +331,16 @@ static PyObject *find_child(PyObject *children, const char *page, Py_ssize_t pb)
         while (PyDict_Next(children, &pos, &k, &v)) {
             if (!PyBytes_CheckExact(k)) {
                 scanned = 0;
-                child = NULL;
                 break;
             }
-            if (child == NULL && PyBytes_GET_SIZE(k) == pb && memcmp(PyBytes_AS_STRING(k), page, pb) == 0)
+            if (PyBytes_GET_SIZE(k) == pb && memcmp(PyBytes_AS_STRING(k), page, pb) == 0) {
                 child = v;
+                break;
+            }
         }
     }
     if (!scanned) {
-        PyObject *key = PyBytes_FromStringAndSize(page, pb);
+        PyObject *key = probe_key(page, pb);
         if (key == NULL)
             return NULL;
         child = PyDict_GetItemWithError(children, key);
@@ -1047,6 +1071,16 @@ static PyObject *tree_mint(PyObject *tree) {
     return out;
 }
 
+/* RadixTree._lazy: 1 when the tree's policy is LRU (ctx[-3], its key function), whose keys only grow. */
+static int lazy_lru(PyObject *tree, PyObject *ctx) {
+    PyObject *key_of = PyObject_GetAttr(tree, s_key_of);
+    if (key_of == NULL)
+        return -1;
+    int lazy = key_of == PyTuple_GET_ITEM(ctx, PyTuple_GET_SIZE(ctx) - 3);
+    Py_DECREF(key_of);
+    return lazy;
+}
+
 /* The leaf heap entry of a node (device, or host), pushed under its current policy key, as RadixTree._add_leaf and
  * _add_hleaf do after their set update: its version bumped (an older entry goes stale), the heap compacted by
  * tree._compact once past slack x live + floor (ctx's last two). ctx[-3]: the LRU policy's key function, whose key
@@ -1061,20 +1095,33 @@ static int heap_push(PyObject *tree, PyObject *node, int host, PyObject *leaves,
         goto out;
     if (key_of == PyTuple_GET_ITEM(ctx, n - 3)) {  /* LRU's key, (node.last_access,), built here: no call */
         PyObject *atime = fget(node, FN_ATIME);
-        key = atime ? PyTuple_Pack(1, atime) : NULL;
-        Py_XDECREF(atime);
+        if (atime != NULL && (key = PyTuple_New(1)) != NULL)
+            PyTuple_SET_ITEM(key, 0, atime);  /* steals atime */
+        else
+            Py_XDECREF(atime);
     } else {
         key = PyObject_CallOneArg(key_of, node);
     }
-    if (key == NULL ||
-        (entry = Py_BuildValue("(OnnO)", key, seq, ver, node)) == NULL ||
-        (heap = PyObject_GetAttr(tree, host ? s_hheap : s_heap)) == NULL)
+    if (key == NULL || (entry = PyTuple_New(4)) == NULL)
+        goto out;
+    PyTuple_SET_ITEM(entry, 0, key);  /* the entry owns key from here */
+    key = NULL;
+    PyTuple_SET_ITEM(entry, 3, Py_NewRef(node));
+    PyObject *sv = PyLong_FromSsize_t(seq), *vv = sv ? PyLong_FromSsize_t(ver) : NULL;
+    if (vv == NULL) {
+        Py_XDECREF(sv);
+        goto out;
+    }
+    PyTuple_SET_ITEM(entry, 1, sv);
+    PyTuple_SET_ITEM(entry, 2, vv);
+    if ((heap = PyObject_GetAttr(tree, host ? s_hheap : s_heap)) == NULL)
         goto out;
     if (!PyList_Check(heap)) {
         PyErr_SetString(PyExc_TypeError, "heap_push: a leaf heap must be a list");
         goto out;
     }
-    if ((r = PyObject_CallFunctionObjArgs(heappush, heap, entry, NULL)) == NULL)
+    PyObject *pargs[2] = {heap, entry};
+    if ((r = PyObject_Vectorcall(heappush, pargs, 2, NULL)) == NULL)
         goto out;
     Py_DECREF(r);
     r = NULL;
@@ -1644,6 +1691,9 @@ static PyObject *full_evict(PyObject *Py_UNUSED(self), PyObject *const *args, Py
         PyErr_SetString(PyExc_TypeError, "full_evict: the tree's heap, leaf set, node index or page are not as built");
         goto done;
     }
+    int lazy = lazy_lru(tree, ctx);
+    if (lazy < 0)
+        goto done;
     while (count < want && PyList_GET_SIZE(heap) > 0) {
         PyObject *entry = PyObject_CallOneArg(heappop, heap);
         if (entry == NULL)
@@ -1658,6 +1708,16 @@ static PyObject *full_evict(PyObject *Py_UNUSED(self), PyObject *const *args, Py
         Py_XDECREF(dver);
         if (live > 0)
             live = PySet_Contains(leaves, node);
+        if (live > 0 && lazy) {  /* touched since it was pushed: back in at its place, not evicted */
+            PyObject *key = PyTuple_GET_ITEM(entry, 0), *atime = fget(node, FN_ATIME);
+            int same = atime == NULL ? -1 : !PyTuple_Check(key) || PyTuple_GET_SIZE(key) != 1 ? 0 :
+                       PyObject_RichCompareBool(PyTuple_GET_ITEM(key, 0), atime, Py_EQ);
+            Py_XDECREF(atime);
+            if (same == 0)
+                live = heap_push(tree, node, 0, leaves, ctx) < 0 ? -1 : 0;
+            else if (same < 0)
+                live = -1;
+        }
         if (live > 0 && evict_leaf(tree, node, leaves, nodes, gone, pb, ctx, &value) < 0)
             live = -1;
         Py_DECREF(entry);
@@ -1796,8 +1856,9 @@ static PyObject *full_match(PyObject *Py_UNUSED(self), PyObject *const *args, Py
         tv = PyLong_FromSsize_t(tick);
         int r = tv == NULL ? -1 : PyObject_SetAttr(tree, s_tick, tv);
         Py_XDECREF(tv);
-        if (r < 0 || full_refresh(tree, node, ctx, 0) < 0 ||
-            (dev != node && dev != root && full_refresh(tree, dev, ctx, 0) < 0))
+        int lazy = lazy_lru(tree, ctx);  /* RadixTree._lazy: the leaves' entries stay, eviction re-sorts them */
+        if (r < 0 || lazy < 0 || (!lazy && (full_refresh(tree, node, ctx, 0) < 0 ||
+                                            (dev != node && dev != root && full_refresh(tree, dev, ctx, 0) < 0))))
             goto done;
     }
     if (total == 0) {

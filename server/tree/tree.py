@@ -116,6 +116,9 @@ class RadixTree(TransferMixin, StorageMixin):
         self.write_through_threshold = write_through_threshold
         self.load_back_threshold = load_back_threshold
         self._key_of = policy_key(policy, slru_threshold)
+        # a match only raises an LRU key: its leaves keep their heap entries, and eviction re-sorts the ones it
+        # pops out of date (the order is the same: every access tick is distinct)
+        self._lazy = self._key_of is POLICIES["lru"]
         self._tag = instance_tag << _SERIAL_BITS
         self._isz = 8 if bigram else 4
         self._kdt = np.dtype("<i8" if bigram else "<i4")
@@ -575,9 +578,10 @@ class RadixTree(TransferMixin, StorageMixin):
                 tick += 1
                 nd.last_access = tick
             self._tick = tick
-            self._refresh(node)
-            if dev is not node and dev is not root:
-                self._refresh(dev)
+            if not self._lazy:
+                self._refresh(node)
+                if dev is not node and dev is not root:
+                    self._refresh(dev)
         indices = np.frombuffer(b"".join(vals), dtype="<i4") if vals else _EMPTY
         return MatchResult(indices, matched, host_hit, dev.id, node.id)
 
@@ -781,9 +785,13 @@ class RadixTree(TransferMixin, StorageMixin):
         write_backs: list[BackupAction] = []
         heap, leaves, nodes, pb = self._heap, self._leaves, self._nodes, self._page_b
         pop = heapq.heappop
+        lazy = self._lazy
         while count + wb_tokens < num_tokens and heap:
-            _, _, ver, node = pop(heap)
+            key, _, ver, node = pop(heap)
             if ver != node.dver or node not in leaves:
+                continue
+            if lazy and key[0] != node.last_access:  # touched since it was pushed: back in at its place
+                self._add_leaf(node)
                 continue
             size = len(node.value) >> 2
             if node.host_value is not None:
@@ -819,9 +827,13 @@ class RadixTree(TransferMixin, StorageMixin):
         heap, leaves, nodes, pb = self._heap, self._leaves, self._nodes, self._page_b
         gone: Optional[list] = [] if self._ev is not None else None
         pop = heapq.heappop
+        lazy = self._lazy
         while count < num_tokens and heap:
-            _, _, ver, node = pop(heap)
+            key, _, ver, node = pop(heap)
             if ver != node.dver or node not in leaves:
+                continue
+            if lazy and key[0] != node.last_access:  # touched since it was pushed: back in at its place
+                self._add_leaf(node)
                 continue
             if gone is not None:
                 gone.append(node.hashes or self._span(node))
@@ -870,9 +882,13 @@ class RadixTree(TransferMixin, StorageMixin):
             self.counters.reclaimed_host_tokens += count
         heap, leaves = self._hheap, self._hleaves
         pop = heapq.heappop
+        lazy = self._lazy
         while count < num_tokens and heap:
-            _, _, ver, node = pop(heap)
+            key, _, ver, node = pop(heap)
             if ver != node.hver or node not in leaves:
+                continue
+            if lazy and key[0] != node.last_access:  # touched since it was pushed: back in at its place
+                self._add_hleaf(node)
                 continue
             value = node.host_value
             freed.append(value)
@@ -895,8 +911,9 @@ class RadixTree(TransferMixin, StorageMixin):
                 and not nd.pending and not nd.loading and nd.host_lock_ref == 0)
 
     def _compact(self, heap: list[tuple], leaves: set[Node], ver: str) -> None:
-        """Drop a lazy heap's stale entries once they outnumber the live ones (every touch of a leaf pushes
-        a new entry). In place, so an eviction loop holding the list keeps a valid heap."""
+        """Drop a lazy heap's stale entries once they outnumber the live ones (every re-sort of a leaf pushes
+        a new entry; under LRU a match re-sorts nothing). In place, so an eviction loop holding the list keeps a
+        valid heap."""
         if len(heap) <= HEAP_SLACK * len(leaves) + HEAP_FLOOR:
             return
         heap.clear()
