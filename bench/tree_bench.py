@@ -6,6 +6,7 @@ Workloads: synthetic multi-turn conversations (page 1 and 16) and replays of ../
 
     python bench/tree_bench.py [--sglang-python PY] [--conversations 1000] [--trace-requests 500]
                                [--write-policy write_through|write_through_selective|write_back] [--events]
+                               [--heap-retain-mb MiB]
     python bench/tree_bench.py --events-cost RUNS [--publisher thread|inline|after]
         # radixd alone: KV events off vs on (request-path cost)
     python bench/tree_bench.py --events-instructions
@@ -32,6 +33,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from radixd.server.config import Config
 
 HERE = Path(__file__).resolve().parent
 TRACES = [HERE.parent.parent / "shared" / "traces", HERE.parent / "shared" / "traces"]
@@ -287,6 +290,8 @@ def rss_bytes() -> int:
 def run_worker(impl_name: str, only: str, args) -> dict:
     """Run one workload under one implementation in a fresh process; return per-op timings and memory."""
     out = {}
+    from radixd.server.memory import retain_freed_memory
+    retain_freed_memory(args.heap_retain_mb << 20)  # every implementation under the heap setting radixd serves with
     for wname, page, make in workloads(args):
         if wname != only:
             continue
@@ -495,6 +500,9 @@ def main() -> None:
                          "--events-cost always measures after, and this mode beside it")
     ap.add_argument("--events-instructions", action="store_true",
                     help="instead: instructions the operations execute with events on vs off (needs valgrind)")
+    ap.add_argument("--heap-retain-mb", type=int, default=Config().heap_retain_mb,
+                    help="freed heap every worker keeps for reuse, as `radixd serve --heap-retain-mb` (default: the "
+                         "server's; 0: glibc's defaults)")
     ap.add_argument("--worker", choices=["radixd", "sglang", "sglang-rust"], help=argparse.SUPPRESS)
     ap.add_argument("--instructions-worker", help=argparse.SUPPRESS)
     ap.add_argument("--mode", choices=["base", "off", "on"], help=argparse.SUPPRESS)
@@ -515,7 +523,7 @@ def main() -> None:
         return events_cost(args, base)
     if args.events_instructions:
         return events_instructions(args, base)
-    base += ["--publisher", args.publisher]
+    base += ["--publisher", args.publisher, "--heap-retain-mb", str(args.heap_retain_mb)]
     if args.write_policy:
         base += ["--write-policy", args.write_policy]
     if args.events:
@@ -533,6 +541,7 @@ def main() -> None:
                 sys.exit(f"{impl} worker failed on {wname}:\n{r.stderr[-3000:]}")
             results.setdefault(impl, {}).update(json.loads(r.stdout.strip().splitlines()[-1]))
     refs = [r for r in ("sglang", "sglang-rust") if r in results]
+    print(f"every worker keeps {args.heap_retain_mb} MiB of freed heap (radixd serve's --heap-retain-mb)")
     ratios: dict[str, dict[str, list[float]]] = {r: {"insert": [], "match": [], "lock": [], "evict": [], "mem": []}
                                                  for r in refs}
     print(f"{'workload':22} {'op':12} {'impl':11} {'ops/s':>11} {'p50 us':>9} {'p99 us':>9}   {'x sglang':>8} "

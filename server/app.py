@@ -19,6 +19,7 @@ from radixd.proto import cache_pb2, cache_pb2_grpc
 
 from .config import Config, host_slots_for, source_of
 from .events import EventHub
+from .memory import retain_freed_memory
 from .core import CacheCore
 from .metrics import Metrics
 from .pools.allocator import SlotAllocator
@@ -523,6 +524,7 @@ async def _leases(core: CacheCore, lease: float) -> None:
 def run(cfg: Config) -> None:
     """Run the server on uvloop when available (one event loop owns everything)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    retain_freed_memory(cfg.heap_retain_mb << 20)
     try:
         import uvloop
         uvloop.run(serve(cfg))

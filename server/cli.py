@@ -60,6 +60,8 @@ SERVE_FLAGS = [
     ("--lock-lease-seconds", dict(type=float, help="release a lock receipt held longer than this (hung clients; "
                                                    "off by default)")),
     ("--prefault", dict(action="store_const", const=True, help="touch every pool page at start")),
+    ("--heap-retain-mb", dict(type=int, help="MiB of freed heap kept for reuse instead of returned to the kernel "
+                                              "(0: the C library's default)")),
     ("--model-config", dict(help="Hugging Face config.json of the engine's model: sets --layers, --kv-heads, "
                                  "--head-dim, --dtype and --mla (explicit flags win)")),
     ("--model", dict(help="a bundled model preset for the KV geometry (e.g. llama-3.1-8b, qwen2.5-7b, deepseek-v3)")),
