@@ -1023,7 +1023,13 @@ static PyObject *unlock_walk(PyObject *node) {
         Py_DECREF(node);
         node = parent;
     }
-    PyObject *out = Py_BuildValue("(nO)", freed, root);
+    PyObject *out = PyTuple_New(2), *fv = out ? PyLong_FromSsize_t(freed) : NULL;
+    if (fv == NULL) {
+        Py_CLEAR(out);
+    } else {
+        PyTuple_SET_ITEM(out, 0, fv);
+        PyTuple_SET_ITEM(out, 1, Py_NewRef(root));
+    }
     Py_DECREF(node);
     return out;
 fail:
@@ -1569,7 +1575,12 @@ static PyObject *unlock_handle(PyObject *Py_UNUSED(self), PyObject *const *args,
             goto done;
         }
     }
-    if (root != Py_None) {
+    PyObject *below = root == Py_None ? NULL : fget(root, FN_CHILDREN);
+    int bare = below == NULL ? (root == Py_None ? 0 : -1) : !PyDict_Check(below) || PyDict_GET_SIZE(below) == 0;
+    Py_XDECREF(below);
+    if (bare < 0)
+        goto done;
+    if (bare) {  /* RadixTree._prune_root decides the rest: a root with children is never pruned */
         PyObject *r = PyObject_CallMethodObjArgs(tree, s_prune_root, root, NULL);
         if (r == NULL)
             goto done;
