@@ -8,10 +8,11 @@ from collections import Counter
 from typing import Any, Iterator, Optional
 
 import grpc
+import numpy as np
 
 from radixd.proto import cache_pb2 as pb
 from radixd.proto import cache_pb2_grpc as pb_grpc
-from radixd.server.tree.hashes import token_block_hashes
+from radixd.server.tree.hashes import block_hash, chain, salt_seed, token_block_hashes
 
 MEDIA = ("GPU", "CPU_PINNED")
 log = logging.getLogger("radixd.events")
@@ -172,6 +173,17 @@ class BlockIndex:
         with self._lock:
             return _lead(hashes, [c for m, c in self._nodes.get(node, {}).items() if m in media])
 
+    def holds_first(self, node: str, tokens: Any, cache_salt: str = "", media: tuple[str, ...] = MEDIA) -> bool:
+        """Whether `node` holds the first whole page of `tokens` on any of `media`: one page hashed, the check an
+        engine makes on each request's arrival (`leading` does the same for any number of pages)."""
+        if len(tokens) < self.page_size:
+            return False
+        first = chain(np.asarray(tokens[:self.page_size], dtype="<u4").tobytes(), self.page_size * 4,
+                      salt_seed(cache_salt))
+        h = block_hash(first)
+        with self._lock:
+            return any(h in c for m, c in self._nodes.get(node, {}).items() if m in media)
+
     def current(self, node: str, seq: int = 0) -> bool:
         """Whether this index holds `node`'s whole state (its snapshot applied, its stream live) as of every
         batch before `seq` at least (a CacheUnfinished answer's event_seq: the client's own stores)."""
@@ -296,7 +308,7 @@ class LocalIndex:
 
     def known_miss(self, tokens: Any, cache_salt: str = "") -> bool:
         """True when radixd certainly holds nothing of `tokens` (counted in `misses`)."""
-        if not self.current() or self.index.leading(self.NODE, tokens, cache_salt, self.media, pages=1):
+        if not self.current() or self.index.holds_first(self.NODE, tokens, cache_salt, self.media):
             return False
         self.misses += 1
         return True

@@ -1,4 +1,5 @@
-/* KV event batches in C: resolve the tree's lazy page digests and encode the msgpack batch, GIL released.
+/* KV event batches in C: resolve the tree's lazy page digests and encode the msgpack batch (the GIL released
+ * for a large batch).
  *
  * encode_batch(records, ts, page_size, key_itemsize, bigram) -> bytes
  *   records: the tree's raw records (server/tree/events.py), spans and runs as server/tree/hashes.py makes
@@ -6,8 +7,8 @@
  *   its run list, exactly as hashes.resolve would; the result is the msgpack batch [ts, [events], nil],
  *   byte for byte what server/events.py's msgspec encoder writes for RawEvents.materialize() (a test holds
  *   them equal). Coalescing follows R6.4 as tree/events.Coalescer does.
- * Three phases: gather (GIL held, pointers and references only), hash + encode (GIL released), store the
- * digests back (GIL held). Another thread resolving the same run meanwhile computes the same bytes.
+ * Three phases: gather (GIL held, pointers and references only), hash + encode (GIL released when it hashes
+ * 64 KiB or more), store the digests back (GIL held). Another thread resolving the same run meanwhile computes the same bytes.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -18,6 +19,7 @@
 #include <string.h>
 
 #define DIG 32
+#define RELEASE_BYTES (64 * 1024) /* hashing below this keeps the GIL: a hand-over costs more */
 
 /* ------------------------------------------------------------------ growable byte buffer */
 typedef struct { unsigned char *p; size_t n, cap; int oom; } Buf;
@@ -411,10 +413,12 @@ static PyObject *encode_batch(PyObject *Py_UNUSED(self), PyObject *args) {
             goto done;
         }
     }
-    Py_BEGIN_ALLOW_THREADS  /* phase 2: hash, coalesce, encode */
+    Py_ssize_t hashed = 0;  /* phase 2: hash, coalesce, encode */
+    for (Py_ssize_t j = 0; j < c.n; j++) hashed += c.jobs[j].pages * c.jobs[j].step;
+    PyThreadState *released = hashed >= RELEASE_BYTES ? PyEval_SaveThread() : NULL;
     for (Py_ssize_t j = 0; j < c.n; j++) run_job(&c, &c.jobs[j]);
     encode_events(&c, evs, n, ts, page_size, key_isz, bigram, &b);
-    Py_END_ALLOW_THREADS
+    if (released != NULL) PyEval_RestoreThread(released);
     if (b.oom) { PyErr_NoMemory(); goto done; }
     for (Py_ssize_t j = 0; j < c.n; j++) {  /* phase 3: store the digests back into their runs */
         Job *jb = &c.jobs[j];
@@ -444,7 +448,7 @@ done:
 
 static PyMethodDef methods[] = {
     {"encode_batch", encode_batch, METH_VARARGS,
-     "Resolve the records' page digests and encode their msgpack KV event batch (GIL released)."},
+     "Resolve the records' page digests and encode their msgpack KV event batch (GIL released for a large one)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -113,12 +113,14 @@ def test_a_follower_stays_current_and_resyncs_after_a_restart(tmp_path):
             _until(lambda: idx.current("n"), "the snapshot")
             assert idx.leading("n", before) == 3  # known from the snapshot alone: no batch was replayed
             toks = np.arange(200, 200 + 2 * PAGE, dtype=np.int32)
-            assert idx.leading("n", toks) == 0
+            assert idx.leading("n", toks) == 0 and not idx.holds_first("n", toks)
             r = c.cache_unfinished([dict(tokens=toks, indices=c.alloc(len(toks)))])
             assert c.event_seq > 0
             _until(lambda: idx.current("n", c.event_seq), "the client's own store")
             assert idx.leading("n", toks) == 2 and idx.leading("n", toks, pages=1) == 1
             assert idx.leading("n", toks, media=("CPU_PINNED",)) == 0
+            assert idx.holds_first("n", toks) and idx.holds_first("n", toks.tolist())
+            assert not idx.holds_first("n", toks, media=("CPU_PINNED",)) and not idx.holds_first("n", toks[:PAGE - 1])
             c.unlock([r[0][1].receipt_id])
             prompts = _workload(c, np.random.default_rng(11))
             c.cache_unfinished([dict(tokens=toks, indices=c.alloc(len(toks)))])
@@ -126,6 +128,7 @@ def test_a_follower_stays_current_and_resyncs_after_a_restart(tmp_path):
             for t, salt, lora in prompts:
                 m = c.match_prefix(t, cache_salt=salt, extra_key=lora)
                 assert idx.leading("n", t, cache_salt=salt) == (m.matched_len + m.host_hit_len) // PAGE
+                assert idx.holds_first("n", list(t), cache_salt=salt) == (m.matched_len + m.host_hit_len >= PAGE)
         resyncs = idx.resyncs
         srv.stop()
         _until(lambda: not idx.current("n"), "the follower to notice the server is gone")

@@ -412,13 +412,13 @@ class _Scheduler:
         # every whole page: what radixd has need not be stored again; with state layers only up to the last
         # loadable token, as the state radixd hands back sits exactly at the hit's end
         n = self._align(len(toks) - 1) if self.mamba else self._align(len(toks))
-        if n and self._align(len(toks) - 1) and not self._known_miss(toks, st.ns):
+        if n and self._align(len(toks) - 1) and not self._known_miss(st.tokens, st.ns):
             st.pending, st.asked = True, time.monotonic()
             self.lookups.submit(rid, st.tokens[:n], st.ns)
         else:
             self.running += 1
 
-    def _known_miss(self, tokens: list[int], ns: dict[str, str]) -> bool:
+    def _known_miss(self, tokens: np.ndarray, ns: dict[str, str]) -> bool:
         return self.index is not None and self.index.known_miss(tokens, ns["cache_salt"])
 
     def matched(self, request: "Request", num_computed: int) -> Optional[int]:
