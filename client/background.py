@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable, Hashable, Optional
+from typing import Any, Hashable, Optional
 
 import numpy as np
 
@@ -14,44 +14,9 @@ from .errors import RadixdError
 
 log = logging.getLogger("radixd.client")
 EMPTY = np.zeros(0, np.int64)
-AWAKE_S = 0.25  # how long a worker thread keeps polling after its last work before it sleeps until woken
 
 
-class _Polled:
-    """A worker thread that the engine's scheduler thread need not wake: for `AWAKE_S` after its last work it
-    looks for work every `tick`, and only once asleep past that does a producer notify it. A notify of a waiting
-    thread is a futex call that cost the scheduler thread 15-40 us a hand-off on 2 CPUs; a poll costs the worker
-    thread that, off the scheduler's path."""
-
-    _cv: threading.Condition
-    _asleep = False
-
-    def _await_work(self, ready: Callable[[], bool], tick: float) -> bool:
-        """(with `_cv` held) Until ready(); True when a producer had to wake it (it slept), False when a poll
-        found the work."""
-        until = time.monotonic() + AWAKE_S
-        woken = False
-        while not ready():
-            left = until - time.monotonic()
-            if left > 0:
-                self._cv.wait(min(tick, left))
-                continue
-            self._asleep = True
-            try:
-                self._cv.wait()
-            finally:
-                self._asleep = False
-            woken = True
-            until = time.monotonic() + AWAKE_S
-        return woken
-
-    def _wake(self) -> None:
-        """(with `_cv` held) After queueing work: a sleeping worker must be told; a polling one finds it."""
-        if self._asleep:
-            self._cv.notify_all()
-
-
-class Lookups(_Polled):
+class Lookups:
     """Prefix lookups off an engine's scheduler thread: one MatchPrefix with lock per namespace for every key
     submitted since the last round, load-backs of host hits (when asked) waited for here. Results are taken by
     key; a lookup given up on is released when it lands."""
@@ -60,8 +25,8 @@ class Lookups(_Polled):
                  linger: float = 0.001):
         self.client, self.load_back, self.stores = client, load_back, stores
         self.hybrid = hybrid  # a hybrid model's server: results are (FULL slots, receipt, SWA twins, state slot)
-        # while nobody waits on a lookup, a round gathers requests for up to `linger` (an engine adds a burst one by
-        # one): one MatchPrefix for the burst instead of one each; a waiter starts the round at once
+        # while nobody waits on a lookup, a round waits up to `linger` for more requests (an engine adds a burst one
+        # by one): one MatchPrefix for the burst instead of one each; a waiter starts the round at once
         self.linger = linger
         self._waiters = 0
         self._cv = threading.Condition()
@@ -79,7 +44,7 @@ class Lookups(_Polled):
         with self._cv:
             self._queue.append((rid, tokens, tuple(sorted(ns.items())), self.load_back if load_back is None
                                 else load_back))
-            self._wake()
+            self._cv.notify_all()
 
     def take(self, rid: Hashable, wait: float = 0.0) -> Optional[tuple[np.ndarray, int]]:
         """The lookup's result, waiting up to `wait` seconds for it (a wait releases the GIL, so the lookup
@@ -106,10 +71,11 @@ class Lookups(_Polled):
     def _run(self) -> None:
         while True:
             with self._cv:
-                woken = self._await_work(lambda: bool(self._queue or self._stop), self.linger)
+                while not (self._queue or self._stop):
+                    self._cv.wait()
                 if self._stop and not self._queue:
                     return
-                until = time.monotonic() + (self.linger if woken else 0.0)  # a poll's batch has gathered a tick
+                until = time.monotonic() + self.linger
                 while not self._stop and not self._waiters:
                     left = until - time.monotonic()
                     if left <= 0:
@@ -201,7 +167,7 @@ class Lookups(_Polled):
         self._thread.join(timeout=30)
 
 
-class Stores(_Polled):
+class Stores:
     """Publishes, releases and a stock of radixd slots, off an engine's scheduler thread. The thread owns each request's
     radixd lock (prefix slots and receipt) from the moment the scheduler hands it over; operations run in the
     order they were queued, batched per round: one CacheUnfinished for every publish (a request's second
@@ -241,7 +207,7 @@ class Stores(_Polled):
     def _put(self, *op: Any) -> None:
         with self._cv:
             self._ops.append(op)
-            self._wake()
+            self._cv.notify_all()
 
     def hold(self, rid: Hashable, prefix: np.ndarray, receipt: int) -> None:
         self._put("hold", rid, prefix, receipt)
@@ -295,7 +261,7 @@ class Stores(_Polled):
                     got = (got, self._twins[:n], self._states[:states])
                     self._twins, self._states = self._twins[n:], self._states[states:]
             if self._needs_refill():
-                self._wake()
+                self._cv.notify_all()
             return got
 
     def _needs_refill(self) -> bool:
@@ -305,10 +271,11 @@ class Stores(_Polled):
     def _run(self) -> None:
         while True:
             with self._cv:
-                woken = self._await_work(lambda: bool(self._ops or self._stop or self._needs_refill()), self.linger)
+                while not (self._ops or self._stop or self._needs_refill()):
+                    self._cv.wait()
                 if self._stop and not self._ops:
                     return
-            if woken and self.linger and not self._stop:  # let a step's worth of publishes gather into one call
+            if self.linger and not self._stop:  # let a step's worth of publishes gather into one call
                 time.sleep(self.linger)
             if self.first is not None:
                 self.first.wait_idle(0.05)
