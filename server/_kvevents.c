@@ -8,7 +8,8 @@
  *   byte for byte what server/events.py's msgspec encoder writes for RawEvents.materialize() (a test holds
  *   them equal). Coalescing follows R6.4 as tree/events.Coalescer does.
  * Three phases: gather (GIL held, pointers and references only), hash + encode (GIL released when it hashes
- * 64 KiB or more), store the digests back (GIL held). Another thread resolving the same run meanwhile computes the same bytes.
+ * 64 KiB or more), store the digests back (GIL held). Another thread resolving the same run meanwhile computes the
+ * same bytes.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

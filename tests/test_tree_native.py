@@ -34,7 +34,8 @@ def test_native_and_python_walks_agree_step_by_step(page, policy, events):
     rng = random.Random(page)
     pair = [RadixTree(page_size=page, policy=policy, native=n, events=events) for n in (True, False)]
     assert pair[0]._walk is not None and pair[1]._walk is None
-    assert pair[0].lock.func is tree_mod._hwalk.lock_handle and pair[0].unlock.func is tree_mod._hwalk.unlock_handle
+    assert pair[0].lock.__self__ is pair[0] and pair[0].unlock.__self__ is pair[0]  # C functions bound to the tree
+    assert type(pair[0].lock) is type(len) and pair[0].unlock.__name__ == "unlock"
     prompts = [[rng.randrange(5) for _ in range(rng.randrange(2, 12) * page)] for _ in range(10)]
     held: list[int] = []
     slot = 1
@@ -101,3 +102,28 @@ def test_native_lock_walks_refuse_bad_arguments():
     assert tree_mod._hwalk.key_tokens(b"\0" * 12) == 3 and tree_mod._hwalk.key_tokens([1]) == -1
     assert tree_mod._hwalk.key_tokens(np.arange(3, dtype=np.int64)) == -1  # int64: packed (range-checked) first
     assert t.check() == []
+
+
+def test_native_paths_honour_a_descriptor_on_the_tree_class():
+    """The C paths read and write a tree's counters in its instance dict only for a class with no data descriptor
+    under their names; a subclass with a property for one gets the generic protocol (its setter sees every write)."""
+    seen: list[int] = []
+
+    class Watched(RadixTree):
+        @property
+        def protected_size(self) -> int:
+            return self.__dict__.get("_protected", 0)
+
+        @protected_size.setter
+        def protected_size(self, v: int) -> None:
+            seen.append(v)
+            self.__dict__["_protected"] = v
+
+    for t in (Watched(page_size=1), RadixTree(page_size=1)):
+        assert t._walk is not None
+        t.insert([1, 2, 3], np.arange(3, dtype=np.int32))
+        r = t.lock(t.match_prefix([1, 2, 3]).node_id)
+        assert t.protected_size == 3 and t.evictable_size == 0 and t.check() == []
+        t.unlock(r)
+        assert t.protected_size == 0 and t.evictable_size == 3 and t.check() == []
+    assert seen == [0, 3, 0]  # __init__, the C lock, the C unlock: each through the property

@@ -40,9 +40,60 @@
 #include <structmember.h>
 
 static PyObject *s_counters, *s_clock, *s_tick, *s_leaves, *s_hleaves, *s_heap, *s_hheap, *s_heap_seq, *s_key_of,
-    *s_compact, *s_dver, *s_hver, *s_tag, *s_serial, *s_nodes, *s_evictable, *s_ev, *s_stored, *s_page_b, *s_protected,
+    *s_compact, *s_dver, *s_hver, *s_handle, *s_nodes, *s_evictable, *s_ev, *s_stored, *s_page_b, *s_protected,
     *s_receipts, *s_lock, *s_unlock, *s_mctx, *s_prune_root, *s_roots, *s_span, *s_push_raw;
 static PyObject *heappush, *heappop;  /* _heapq's */
+
+/* A tree's own attributes (its counters, containers and contexts) read and written in its instance dict, for a class
+ * checked once to define no data descriptor under any of these names (HybridTree's sizes are properties): the generic
+ * protocol would look each name up in the type first. Anything else takes the generic path. tattr: a new reference. */
+#define TYPE_CACHE 8
+static PyObject **tree_names[] = {&s_counters, &s_clock, &s_tick, &s_leaves, &s_hleaves, &s_heap, &s_hheap, &s_heap_seq,
+                                  &s_key_of, &s_handle, &s_nodes, &s_evictable, &s_ev, &s_page_b, &s_protected,
+                                  &s_receipts, &s_mctx, &s_roots};
+static PyTypeObject *checked_tp[TYPE_CACHE];
+static char plain_tp[TYPE_CACHE];
+
+static int plain_type(PyTypeObject *tp) {  /* 1: instance dict access is what the generic protocol would do */
+    for (int i = 0; i < TYPE_CACHE && checked_tp[i] != NULL; i++)
+        if (checked_tp[i] == tp)
+            return plain_tp[i];
+    int plain = 1;
+    for (size_t k = 0; k < sizeof(tree_names) / sizeof(tree_names[0]) && plain; k++) {
+        PyObject *d = _PyType_Lookup(tp, *tree_names[k]);  /* borrowed */
+        plain = d == NULL || Py_TYPE(d)->tp_descr_set == NULL;
+    }
+    for (int i = 0; i < TYPE_CACHE; i++)
+        if (checked_tp[i] == NULL) {
+            checked_tp[i] = (PyTypeObject *)Py_NewRef((PyObject *)tp);  /* kept: the pointer must not be reused */
+            plain_tp[i] = (char)plain;
+            break;
+        }
+    return plain;
+}
+
+static PyObject *tattr(PyObject *tree, PyObject *name) {
+    PyObject *d = plain_type(Py_TYPE(tree)) ? PyObject_GenericGetDict(tree, NULL) : NULL;
+    if (d == NULL) {
+        PyErr_Clear();
+        return PyObject_GetAttr(tree, name);
+    }
+    PyObject *v = PyDict_GetItemWithError(d, name);
+    Py_XINCREF(v);
+    Py_DECREF(d);
+    return v != NULL || PyErr_Occurred() ? v : PyObject_GetAttr(tree, name);
+}
+
+static int tset(PyObject *tree, PyObject *name, PyObject *v) {
+    PyObject *d = plain_type(Py_TYPE(tree)) ? PyObject_GenericGetDict(tree, NULL) : NULL;
+    if (d == NULL) {
+        PyErr_Clear();
+        return PyObject_SetAttr(tree, name, v);
+    }
+    int r = PyDict_SetItem(d, name, v);
+    Py_DECREF(d);
+    return r;
+}
 
 /* A type's __slots__, read and written at their offsets (what their member descriptors do, without the attribute
  * lookup), learned from the first instance of it seen; any other object, or a slot left unset, goes through the
@@ -716,13 +767,13 @@ static PyObject *match(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssiz
                 goto done;
         }
     }
-    clock = PyObject_GetAttr(tree, s_clock);  /* the tree's _clock_tick() */
+    clock = tattr(tree, s_clock);  /* the tree's _clock_tick() */
     if (clock == NULL)
         goto done;
     double t = PyFloat_AsDouble(clock);
     Py_CLEAR(clock);
     if ((t == -1.0 && PyErr_Occurred()) || (clock = PyFloat_FromDouble(t + 1.0)) == NULL ||
-        PyObject_SetAttr(tree, s_clock, clock) < 0 || touch_impl(best, t, 1e-5) < 0)
+        tset(tree, s_clock, clock) < 0 || touch_impl(best, t, 1e-5) < 0)
         goto done;
     Py_ssize_t matched = 0;
     for (Py_ssize_t i = 0; i < best_n; i++)
@@ -744,7 +795,7 @@ static PyObject *match(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssiz
         if (r < 0)
             goto done;
     }
-    if (indices == NULL || (counters = PyObject_GetAttr(tree, s_counters)) == NULL ||
+    if (indices == NULL || (counters = tattr(tree, s_counters)) == NULL ||
         counter_add(counters, 0, queried) < 0 || counter_add(counters, 1, matched) < 0)
         goto done;
     PyObject *res[7] = {indices, PyLong_FromSsize_t(matched), nget(best, K_ID), PyLong_FromSsize_t(hit), NULL,
@@ -1053,7 +1104,7 @@ static int fnode_set(PyObject *obj, int k, PyObject *v) {  /* steals v */
 
 /* tree.<name> += delta; the new value into *now (may be NULL). */
 static int tree_add(PyObject *tree, PyObject *name, Py_ssize_t delta, Py_ssize_t *now) {
-    PyObject *v = PyObject_GetAttr(tree, name);
+    PyObject *v = tattr(tree, name);
     Py_ssize_t x = v ? PyLong_AsSsize_t(v) : -1;
     Py_XDECREF(v);
     if (x == -1 && PyErr_Occurred())
@@ -1061,25 +1112,26 @@ static int tree_add(PyObject *tree, PyObject *name, Py_ssize_t delta, Py_ssize_t
     if (now != NULL)
         *now = x + delta;
     v = PyLong_FromSsize_t(x + delta);
-    int r = v == NULL ? -1 : PyObject_SetAttr(tree, name, v);
+    int r = v == NULL ? -1 : tset(tree, name, v);
     Py_XDECREF(v);
     return r;
 }
 
-/* RadixTree._mint: the next handle, the tree's tag | its next serial (a new reference). */
+/* RadixTree._mint: the next handle, the tree's last one plus one (a new reference; a handle fills 64 unsigned bits). */
 static PyObject *tree_mint(PyObject *tree) {
-    Py_ssize_t serial;
-    PyObject *tag = PyObject_GetAttr(tree, s_tag), *sv = NULL, *out = NULL;
-    if (tag != NULL && tree_add(tree, s_serial, 1, &serial) == 0 && (sv = PyLong_FromSsize_t(serial)) != NULL)
-        out = PyNumber_Or(tag, sv);
-    Py_XDECREF(tag);
-    Py_XDECREF(sv);
+    PyObject *last = tattr(tree, s_handle), *out = NULL;
+    unsigned long long h = last == NULL ? (unsigned long long)-1 : PyLong_AsUnsignedLongLong(last);
+    Py_XDECREF(last);
+    if (h == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    if ((out = PyLong_FromUnsignedLongLong(h + 1)) != NULL && tset(tree, s_handle, out) < 0)
+        Py_CLEAR(out);
     return out;
 }
 
 /* RadixTree._lazy: 1 when the tree's policy is LRU (ctx[-3], its key function), whose keys only grow. */
 static int lazy_lru(PyObject *tree, PyObject *ctx) {
-    PyObject *key_of = PyObject_GetAttr(tree, s_key_of);
+    PyObject *key_of = tattr(tree, s_key_of);
     if (key_of == NULL)
         return -1;
     int lazy = key_of == PyTuple_GET_ITEM(ctx, PyTuple_GET_SIZE(ctx) - 3);
@@ -1097,7 +1149,7 @@ static int heap_push(PyObject *tree, PyObject *node, int host, PyObject *leaves,
     PyObject *key_of = NULL, *key = NULL, *entry = NULL, *heap = NULL, *r = NULL;
     int ok = -1;
     if (PyErr_Occurred() || ladd(&full_layout, node, host ? FN_HVER : FN_DVER, 1, &ver) < 0 ||
-        tree_add(tree, s_heap_seq, 1, &seq) < 0 || (key_of = PyObject_GetAttr(tree, s_key_of)) == NULL)
+        tree_add(tree, s_heap_seq, 1, &seq) < 0 || (key_of = tattr(tree, s_key_of)) == NULL)
         goto out;
     if (key_of == PyTuple_GET_ITEM(ctx, n - 3)) {  /* LRU's key, (node.last_access,), built here: no call */
         PyObject *atime = fget(node, FN_ATIME);
@@ -1120,7 +1172,7 @@ static int heap_push(PyObject *tree, PyObject *node, int host, PyObject *leaves,
     }
     PyTuple_SET_ITEM(entry, 1, sv);
     PyTuple_SET_ITEM(entry, 2, vv);
-    if ((heap = PyObject_GetAttr(tree, host ? s_hheap : s_heap)) == NULL)
+    if ((heap = tattr(tree, host ? s_hheap : s_heap)) == NULL)
         goto out;
     if (!PyList_Check(heap)) {
         PyErr_SetString(PyExc_TypeError, "heap_push: a leaf heap must be a list");
@@ -1148,7 +1200,7 @@ out:
  * D-leaf is (insert's walk). */
 static int full_refresh(PyObject *tree, PyObject *node, PyObject *ctx, int device_only) {
     for (int host = 0; host < 2 - device_only; host++) {
-        PyObject *leaves = PyObject_GetAttr(tree, host ? s_hleaves : s_leaves);
+        PyObject *leaves = tattr(tree, host ? s_hleaves : s_leaves);
         int in = leaves == NULL ? -1 : PySet_Contains(leaves, node);
         if (in > 0)
             in = heap_push(tree, node, host, leaves, ctx) < 0 ? -1 : 2;
@@ -1311,8 +1363,8 @@ static PyObject *new_leaf(PyObject *tree, PyObject *parent, const char *kb, cons
     leaf = PyObject_Vectorcall(PyTuple_GET_ITEM(ctx, 1), targs, 7, NULL);
     Py_DECREF(targs[4]);
     if (leaf == NULL || (children = fget(parent, FN_CHILDREN)) == NULL || PyDict_SetItem(children, first, leaf) < 0 ||
-        (nodes = PyObject_GetAttr(tree, s_nodes)) == NULL || PyDict_SetItem(nodes, id, leaf) < 0 ||
-        tree_add(tree, s_evictable, len / 4, NULL) < 0 || (leaves = PyObject_GetAttr(tree, s_leaves)) == NULL)
+        (nodes = tattr(tree, s_nodes)) == NULL || PyDict_SetItem(nodes, id, leaf) < 0 ||
+        tree_add(tree, s_evictable, len / 4, NULL) < 0 || (leaves = tattr(tree, s_leaves)) == NULL)
         goto done;
     int in = PySet_Discard(leaves, parent);  /* RadixTree._drop_leaf(parent) */
     if (in < 0 || (in && ladd(&full_layout, parent, FN_DVER, 1, &ver) < 0))
@@ -1320,7 +1372,7 @@ static PyObject *new_leaf(PyObject *tree, PyObject *parent, const char *kb, cons
     if (!chunked && fnode_set(leaf, FN_HIT, PyLong_FromLong(1)) < 0)
         goto done;
     if (PySet_Add(leaves, leaf) < 0 || heap_push(tree, leaf, 0, leaves, ctx) < 0 ||  /* RadixTree._add_leaf */
-        (ev = PyObject_GetAttr(tree, s_ev)) == NULL)
+        (ev = tattr(tree, s_ev)) == NULL)
         goto done;
     if (ev != Py_None) {
         PyObject *r = PyObject_CallMethodObjArgs(tree, s_stored, leaf, PyTuple_GET_ITEM(ctx, 2), NULL);
@@ -1358,7 +1410,7 @@ static PyObject *full_insert(PyObject *Py_UNUSED(self), PyObject *const *args, P
     layout_of(&full_layout, Py_TYPE(root));
     Py_ssize_t n = PyLong_AsSsize_t(args[4]), prev = PyLong_AsSsize_t(args[5]);
     int chunked = PyObject_IsTrue(args[7]);
-    PyObject *pbo = PyObject_GetAttr(tree, s_page_b);
+    PyObject *pbo = tattr(tree, s_page_b);
     Py_ssize_t pb = pbo ? PyLong_AsSsize_t(pbo) : -1;
     Py_XDECREF(pbo);
     if (PyErr_Occurred() || chunked < 0)
@@ -1381,7 +1433,7 @@ static PyObject *full_insert(PyObject *Py_UNUSED(self), PyObject *const *args, P
     }
     int stopped;
     Py_ssize_t off = fdescend(tree, root, key.buf, n, pb, pb / 4, &path, 0, &stopped), tick;
-    PyObject *tv = off < 0 ? NULL : PyObject_GetAttr(tree, s_tick);
+    PyObject *tv = off < 0 ? NULL : tattr(tree, s_tick);
     tick = tv ? PyLong_AsSsize_t(tv) : -1;
     Py_XDECREF(tv);
     if (tick == -1 && PyErr_Occurred())
@@ -1425,9 +1477,9 @@ static PyObject *full_insert(PyObject *Py_UNUSED(self), PyObject *const *args, P
         off = n;
     }
     tv = PyLong_FromSsize_t(tick);
-    int r = tv == NULL ? -1 : PyObject_SetAttr(tree, s_tick, tv);
+    int r = tv == NULL ? -1 : tset(tree, s_tick, tv);
     Py_XDECREF(tv);
-    if (r < 0 || (counters = PyObject_GetAttr(tree, s_counters)) == NULL)
+    if (r < 0 || (counters = tattr(tree, s_counters)) == NULL)
         goto done;
     Py_ssize_t now;
     layout_of(&icounters_layout, Py_TYPE(counters));
@@ -1486,15 +1538,11 @@ static int tree_move(PyObject *tree, Py_ssize_t tokens) {  /* evictable -> prote
  * native (no Python frame on the hot path): the node looked up, a receipt minted, the device walk, the sizes, the
  * receipt recorded. Anything else (a stale, foreign or host-only node) goes to the Python method, which raises or
  * host-locks. */
-static PyObject *lock_handle(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "lock_handle(tree, node_id)");
-        return NULL;
-    }
-    PyObject *tree = args[0], *nodes = PyObject_GetAttr(tree, s_nodes), *node = NULL, *value = NULL;
+static PyObject *lock_impl(PyObject *tree, PyObject *node_id) {
+    PyObject *nodes = tattr(tree, s_nodes), *node = NULL, *value = NULL;
     if (nodes == NULL)
         return NULL;
-    node = PyDict_Check(nodes) && PyLong_CheckExact(args[1]) ? PyDict_GetItemWithError(nodes, args[1]) : NULL;
+    node = PyDict_Check(nodes) && PyLong_CheckExact(node_id) ? PyDict_GetItemWithError(nodes, node_id) : NULL;
     Py_XINCREF(node);
     Py_DECREF(nodes);
     if (node != NULL) {
@@ -1509,19 +1557,19 @@ static PyObject *lock_handle(PyObject *Py_UNUSED(self), PyObject *const *args, P
     if (node == NULL || value == Py_None) {  /* the rare cases: the reference raises or host-locks */
         Py_XDECREF(node);
         Py_XDECREF(value);
-        return PyObject_CallMethodObjArgs((PyObject *)Py_TYPE(tree), s_lock, tree, args[1], NULL);
+        return PyObject_CallMethodObjArgs((PyObject *)Py_TYPE(tree), s_lock, tree, node_id, NULL);
     }
     Py_DECREF(value);
     PyObject *receipt = tree_mint(tree), *leaves = NULL, *receipts = NULL, *entry = NULL;
     Py_ssize_t newly;
-    if (receipt == NULL || (leaves = PyObject_GetAttr(tree, s_leaves)) == NULL)
+    if (receipt == NULL || (leaves = tattr(tree, s_leaves)) == NULL)
         goto done;
     if (!PySet_Check(leaves)) {
         PyErr_SetString(PyExc_TypeError, "lock_handle: the leaf set must be a set");
         goto done;
     }
     if ((newly = lock_walk(node, leaves)) < 0 || tree_move(tree, newly) < 0 ||
-        (receipts = PyObject_GetAttr(tree, s_receipts)) == NULL || (entry = PyTuple_Pack(2, node, Py_None)) == NULL ||
+        (receipts = tattr(tree, s_receipts)) == NULL || (entry = PyTuple_Pack(2, node, Py_None)) == NULL ||
         PyObject_SetItem(receipts, receipt, entry) < 0)
         Py_CLEAR(receipt);
 done:
@@ -1535,27 +1583,24 @@ done:
 /* unlock_handle(tree, receipt) -> None: RadixTree.unlock for a receipt on a device-resident node alone, called as
  * tree.unlock when the tree is native: the receipt dropped, the device walk back, the sizes, the anchor back among the
  * D-leaves if it became one, an emptied namespace root pruned. Anything else goes to the Python method. */
-static PyObject *unlock_handle(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "unlock_handle(tree, receipt)");
-        return NULL;
-    }
-    PyObject *tree = args[0], *receipts = PyObject_GetAttr(tree, s_receipts), *entry = NULL;
+static PyObject *unlock_impl(PyObject *tree, PyObject *receipt) {
+    PyObject *receipts = tattr(tree, s_receipts), *entry = NULL;
     if (receipts == NULL)
         return NULL;
-    if (PyDict_Check(receipts) && PyLong_CheckExact(args[1])) {
-        entry = PyDict_GetItemWithError(receipts, args[1]);
+    if (PyDict_Check(receipts) && PyLong_CheckExact(receipt)) {
+        entry = PyDict_GetItemWithError(receipts, receipt);
         Py_XINCREF(entry);
     }
     if (entry == NULL || !PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 2 ||
         PyTuple_GET_ITEM(entry, 1) != Py_None) {  /* unknown, or host-anchored: the reference raises or unlocks */
         Py_DECREF(receipts);
         Py_XDECREF(entry);
-        return PyErr_Occurred() ? NULL : PyObject_CallMethodObjArgs((PyObject *)Py_TYPE(tree), s_unlock, tree, args[1], NULL);
+        return PyErr_Occurred() ? NULL
+                                : PyObject_CallMethodObjArgs((PyObject *)Py_TYPE(tree), s_unlock, tree, receipt, NULL);
     }
     PyObject *node = PyTuple_GET_ITEM(entry, 0), *out = NULL, *walk = NULL;
     layout_of(&full_layout, Py_TYPE(node));
-    if (PyDict_DelItem(receipts, args[1]) < 0 || (walk = unlock_walk(node)) == NULL)
+    if (PyDict_DelItem(receipts, receipt) < 0 || (walk = unlock_walk(node)) == NULL)
         goto done;
     Py_ssize_t freed = PyLong_AsSsize_t(PyTuple_GET_ITEM(walk, 0));
     PyObject *root = PyTuple_GET_ITEM(walk, 1);
@@ -1563,9 +1608,9 @@ static PyObject *unlock_handle(PyObject *Py_UNUSED(self), PyObject *const *args,
     if (leaf < 0)
         goto done;
     if (leaf) {  /* RadixTree._add_leaf */
-        PyObject *leaves = PyObject_GetAttr(tree, s_leaves);
+        PyObject *leaves = tattr(tree, s_leaves);
         int r = leaves == NULL || PySet_Add(leaves, node) < 0 ? -1 : 0;
-        PyObject *ctx = r < 0 ? NULL : PyObject_GetAttr(tree, s_mctx);
+        PyObject *ctx = r < 0 ? NULL : tattr(tree, s_mctx);
         r = ctx == NULL || !PyTuple_Check(ctx) || PyTuple_GET_SIZE(ctx) < 3 ? -1 : heap_push(tree, node, 0, leaves, ctx);
         Py_XDECREF(ctx);
         Py_XDECREF(leaves);
@@ -1591,6 +1636,55 @@ done:
     Py_XDECREF(walk);
     Py_DECREF(entry);
     Py_DECREF(receipts);
+    return out;
+}
+
+static PyObject *lock_handle(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "lock_handle(tree, node_id)");
+        return NULL;
+    }
+    return lock_impl(args[0], args[1]);
+}
+
+static PyObject *unlock_handle(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "unlock_handle(tree, receipt)");
+        return NULL;
+    }
+    return unlock_impl(args[0], args[1]);
+}
+
+/* The same two bound to one tree as builtin methods (their self is the tree): a call goes straight to the C function,
+ * where functools.partial copied its arguments into a new vector first. */
+static PyObject *bound_lock(PyObject *tree, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 1) {
+        PyErr_SetString(PyExc_TypeError, "lock(node_id)");
+        return NULL;
+    }
+    return lock_impl(tree, args[0]);
+}
+
+static PyObject *bound_unlock(PyObject *tree, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 1) {
+        PyErr_SetString(PyExc_TypeError, "unlock(receipt)");
+        return NULL;
+    }
+    return unlock_impl(tree, args[0]);
+}
+
+static PyMethodDef bound_defs[] = {
+    {"lock", (PyCFunction)(void (*)(void))bound_lock, METH_FASTCALL, "RadixTree.lock, native (see lock_handle)."},
+    {"unlock", (PyCFunction)(void (*)(void))bound_unlock, METH_FASTCALL,
+     "RadixTree.unlock, native (see unlock_handle)."},
+};
+
+static PyObject *bind_locks(PyObject *Py_UNUSED(self), PyObject *tree) {
+    PyObject *lock = PyCFunction_New(&bound_defs[0], tree);
+    PyObject *unlock = lock ? PyCFunction_New(&bound_defs[1], tree) : NULL;
+    PyObject *out = unlock ? PyTuple_Pack(2, lock, unlock) : NULL;
+    Py_XDECREF(lock);
+    Py_XDECREF(unlock);
     return out;
 }
 
@@ -1650,7 +1744,7 @@ static int evict_leaf(PyObject *tree, PyObject *node, PyObject *leaves, PyObject
             if (dflt < 0)
                 goto done;
             if (!dflt) {
-                PyObject *roots = PyObject_GetAttr(tree, s_roots), *pid = fget(parent, FN_ID);
+                PyObject *roots = tattr(tree, s_roots), *pid = fget(parent, FN_ID);
                 int r = roots == NULL || pid == NULL || PyObject_DelItem(roots, ns) < 0 ||
                         PyObject_DelItem(nodes, pid) < 0 ? -1 : 0;
                 Py_XDECREF(roots);
@@ -1691,9 +1785,9 @@ static PyObject *full_evict(PyObject *Py_UNUSED(self), PyObject *const *args, Py
     Py_ssize_t want = over > 0 ? PY_SSIZE_T_MAX : over < 0 ? PY_SSIZE_T_MIN : (Py_ssize_t)asked, count = 0, total = 0;
     if (asked == -1 && !over && PyErr_Occurred())
         return NULL;
-    PyObject *heap = PyObject_GetAttr(tree, s_heap), *leaves = heap ? PyObject_GetAttr(tree, s_leaves) : NULL,
-             *nodes = leaves ? PyObject_GetAttr(tree, s_nodes) : NULL, *ev = nodes ? PyObject_GetAttr(tree, s_ev) : NULL,
-             *pbo = ev ? PyObject_GetAttr(tree, s_page_b) : NULL, *freed = NULL, *gone = NULL, *out = NULL,
+    PyObject *heap = tattr(tree, s_heap), *leaves = heap ? tattr(tree, s_leaves) : NULL,
+             *nodes = leaves ? tattr(tree, s_nodes) : NULL, *ev = nodes ? tattr(tree, s_ev) : NULL,
+             *pbo = ev ? tattr(tree, s_page_b) : NULL, *freed = NULL, *gone = NULL, *out = NULL,
              *indices = NULL, *counters = NULL;
     Py_ssize_t pb = pbo ? PyLong_AsSsize_t(pbo) : -1;
     if (pb == -1 || (freed = PyList_New(0)) == NULL || (ev != Py_None && (gone = PyList_New(0)) == NULL))
@@ -1753,7 +1847,7 @@ static PyObject *full_evict(PyObject *Py_UNUSED(self), PyObject *const *args, Py
     }
     Py_ssize_t now, slack = PyLong_AsSsize_t(PyTuple_GET_ITEM(ctx, 8)), floor = PyLong_AsSsize_t(PyTuple_GET_ITEM(ctx, 9));
     if (PyErr_Occurred() || tree_add(tree, s_evictable, -count, NULL) < 0 ||
-        (counters = PyObject_GetAttr(tree, s_counters)) == NULL)
+        (counters = tattr(tree, s_counters)) == NULL)
         goto done;
     layout_of(&ecounters_layout, Py_TYPE(counters));
     if (ladd(&ecounters_layout, counters, 0, count, &now) < 0)
@@ -1827,7 +1921,7 @@ static PyObject *full_match(PyObject *Py_UNUSED(self), PyObject *const *args, Py
     Path path;
     path_init(&path);
     PyObject *out = NULL, *counters = NULL, *indices = NULL, *node = root, *dev = root;  /* borrowed */
-    if ((counters = PyObject_GetAttr(tree, s_counters)) == NULL || counter_add(counters, 0, key.len / 4) < 0)
+    if ((counters = tattr(tree, s_counters)) == NULL || counter_add(counters, 0, key.len / 4) < 0)
         goto done;
     int stopped;
     if ((off = fdescend(tree, root, kb, n, pb, page, &path, 0, &stopped)) < 0)
@@ -1856,7 +1950,7 @@ static PyObject *full_match(PyObject *Py_UNUSED(self), PyObject *const *args, Py
     if (counter_add(counters, 1, dev_off / 4) < 0 || counter_add(counters, 2, (off - dev_off) / 4) < 0)
         goto done;
     if (path.len) {  /* root to leaf: a child is always newer than its parent (R2.3) */
-        PyObject *tv = PyObject_GetAttr(tree, s_tick);
+        PyObject *tv = tattr(tree, s_tick);
         Py_ssize_t tick = tv ? PyLong_AsSsize_t(tv) : -1;
         Py_XDECREF(tv);
         if (tick == -1 && PyErr_Occurred())
@@ -1865,7 +1959,7 @@ static PyObject *full_match(PyObject *Py_UNUSED(self), PyObject *const *args, Py
             if (fnode_set(path.node[i], FN_ATIME, PyLong_FromSsize_t(++tick)) < 0)
                 goto done;
         tv = PyLong_FromSsize_t(tick);
-        int r = tv == NULL ? -1 : PyObject_SetAttr(tree, s_tick, tv);
+        int r = tv == NULL ? -1 : tset(tree, s_tick, tv);
         Py_XDECREF(tv);
         int lazy = lazy_lru(tree, ctx);  /* RadixTree._lazy: the leaves' entries stay, eviction re-sorts them */
         if (r < 0 || lazy < 0 || (!lazy && (full_refresh(tree, node, ctx, 0) < 0 ||
@@ -1935,6 +2029,8 @@ static PyMethodDef methods[] = {
      "RadixTree.lock on a device-resident node (native trees bind it as tree.lock); anything else: the method."},
     {"unlock_handle", (PyCFunction)(void (*)(void))unlock_handle, METH_FASTCALL,
      "RadixTree.unlock of a device-anchored receipt (native trees bind it as tree.unlock); anything else: the method."},
+    {"bind_locks", bind_locks, METH_O,
+     "(lock, unlock): lock_handle and unlock_handle bound to one tree as builtin methods (a native tree's own)."},
     {"full_insert", (PyCFunction)(void (*)(void))full_insert, METH_FASTCALL,
      "RadixTree.insert without a host tier, after its checks: descent, walked nodes, duplicates, new leaf, result."},
     {"key_tokens", key_tokens, METH_O, "Tokens of a key read in place, or -1 for one to pack first."},
@@ -1963,8 +2059,8 @@ PyMODINIT_FUNC PyInit__hwalk(void) {
     struct { PyObject **at; const char *name; } names[] = {
         {&s_counters, "counters"}, {&s_clock, "_clock"}, {&s_tick, "_tick"}, {&s_leaves, "_leaves"},
         {&s_hleaves, "_hleaves"}, {&s_heap, "_heap"}, {&s_hheap, "_hheap"}, {&s_heap_seq, "_heap_seq"},
-        {&s_key_of, "_key_of"}, {&s_compact, "_compact"}, {&s_dver, "dver"}, {&s_hver, "hver"}, {&s_tag, "_tag"},
-        {&s_serial, "_serial"}, {&s_nodes, "_nodes"}, {&s_evictable, "evictable_size"}, {&s_ev, "_ev"},
+        {&s_key_of, "_key_of"}, {&s_compact, "_compact"}, {&s_dver, "dver"}, {&s_hver, "hver"}, {&s_handle, "_handle"},
+        {&s_nodes, "_nodes"}, {&s_evictable, "evictable_size"}, {&s_ev, "_ev"},
         {&s_stored, "_stored"}, {&s_page_b, "_page_b"}, {&s_protected, "protected_size"}, {&s_receipts, "_receipts"},
         {&s_lock, "lock"}, {&s_unlock, "unlock"}, {&s_mctx, "_mctx"}, {&s_prune_root, "_prune_root"},
         {&s_roots, "_roots"}, {&s_span, "_span"}, {&s_push_raw, "push_raw"}};

@@ -29,7 +29,6 @@ Access times and hits, where radixd differs from SGLang's in-process RadixCache:
 """
 from __future__ import annotations
 
-import functools
 import heapq
 from typing import Iterable, Optional, Union
 
@@ -123,7 +122,7 @@ class RadixTree(TransferMixin, StorageMixin):
         self._isz = 8 if bigram else 4
         self._kdt = np.dtype("<i8" if bigram else "<i4")
         self._page_b = page_size * self._isz
-        self._serial = 0
+        self._handle = self._tag  # the last handle minted: the tag | the last serial
         self._tick = 0
         self._heap_seq = 0
         self._nodes: dict[int, Node] = {}
@@ -144,8 +143,7 @@ class RadixTree(TransferMixin, StorageMixin):
         self._ev: Optional[EventQueue] = EventQueue(events_limit) if events else None
         self._walk = _hwalk if native else None  # match and lock walks in C; None: the Python loops (their reference)
         if self._walk is not None:  # lock and unlock go straight to C, no Python frame; the methods take the rare cases
-            self.lock = functools.partial(_hwalk.lock_handle, self)
-            self.unlock = functools.partial(_hwalk.unlock_handle, self)
+            self.lock, self.unlock = _hwalk.bind_locks(self)
         # what the C match builds with, and the lazy heaps' bound it keeps when it re-pushes a leaf
         self._mctx = (MatchResult, np.empty, _I32, _EMPTY, page_size, POLICIES["lru"], HEAP_SLACK, HEAP_FLOOR)
         self._ictx = (InsertResult, Node, GPU, np.empty, _I32, _EMPTY, POLICIES["lru"], HEAP_SLACK, HEAP_FLOOR)
@@ -257,8 +255,8 @@ class RadixTree(TransferMixin, StorageMixin):
     _as_int32 = staticmethod(as_int32)
 
     def _mint(self) -> int:
-        self._serial += 1
-        return self._tag | self._serial
+        self._handle += 1
+        return self._handle
 
     def _root(self, ns: Namespace, create: bool = True) -> Optional[Node]:
         root = self._roots.get(ns)
