@@ -8,11 +8,10 @@ from collections import Counter
 from typing import Any, Iterator, Optional
 
 import grpc
-import numpy as np
 
 from radixd.proto import cache_pb2 as pb
 from radixd.proto import cache_pb2_grpc as pb_grpc
-from radixd.server.tree.hashes import block_hash, chain, salt_seed, token_block_hashes
+from radixd.server.tree.hashes import token_block_hashes
 
 MEDIA = ("GPU", "CPU_PINNED")
 log = logging.getLogger("radixd.events")
@@ -178,9 +177,7 @@ class BlockIndex:
         engine makes on each request's arrival (`leading` does the same for any number of pages)."""
         if len(tokens) < self.page_size:
             return False
-        first = chain(np.asarray(tokens[:self.page_size], dtype="<u4").tobytes(), self.page_size * 4,
-                      salt_seed(cache_salt))
-        h = block_hash(first)
+        h = token_block_hashes(tokens[:self.page_size], self.page_size, cache_salt)[0]
         with self._lock:
             return any(h in c for m, c in self._nodes.get(node, {}).items() if m in media)
 
