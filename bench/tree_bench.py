@@ -6,11 +6,14 @@ Workloads: synthetic multi-turn conversations (page 1 and 16) and replays of ../
 
     python bench/tree_bench.py [--sglang-python PY] [--conversations 1000] [--trace-requests 500]
                                [--write-policy write_through|write_through_selective|write_back] [--events]
-                               [--heap-retain-mb MiB]
+                               [--heap-retain-mb MiB] [--no-prefault]
     python bench/tree_bench.py --events-cost RUNS [--publisher thread|inline|after]
         # radixd alone: KV events off vs on (request-path cost)
     python bench/tree_bench.py --events-instructions
         # the same question without the machine's noise: instructions executed, counted by valgrind
+
+Every worker keeps the server's freed heap and, unless --no-prefault, faults it in before the timed operations (as
+`radixd serve --prefault`): the trees' growth then costs memcpy, not this machine's page faults.
 
 With --write-policy the host tier is on: every backup the tree asks for is committed and finished inline
 (no data is copied), so the numbers show the tree's own cost of the second tier.
@@ -282,16 +285,20 @@ class SGLangImpl:
         return self.c.evictable_size() + self.c.protected_size()
 
 
-def rss_bytes() -> int:
+def used_bytes() -> int:
+    """Resident memory less the C heap's free bytes: what objects hold, whether or not the heap was faulted in."""
+    from radixd.server.memory import heap_free_bytes
     with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return rss - (heap_free_bytes() or 0)
 
 
 def run_worker(impl_name: str, only: str, args) -> dict:
     """Run one workload under one implementation in a fresh process; return per-op timings and memory."""
     out = {}
     from radixd.server.memory import retain_freed_memory
-    retain_freed_memory(args.heap_retain_mb << 20)  # every implementation under the heap setting radixd serves with
+    # every implementation under the heap setting radixd serves with (--heap-retain-mb, --prefault)
+    retain_freed_memory(args.heap_retain_mb << 20, prefault=args.prefault)
     for wname, page, make in workloads(args):
         if wname != only:
             continue
@@ -303,7 +310,7 @@ def run_worker(impl_name: str, only: str, args) -> dict:
         slot = 0
         gc.collect()
         gc.disable()
-        rss0 = rss_bytes()
+        used0 = used_bytes()
         pc, tc = time.perf_counter_ns, time.thread_time_ns
         cpu = {"insert": 0, "match": 0, "evict": 0}  # this thread's CPU time: what the operations themselves did
         for kind, toks in ops:
@@ -327,7 +334,7 @@ def run_worker(impl_name: str, only: str, args) -> dict:
         del k
         gc.enable()
         gc.collect()
-        mem = rss_bytes() - rss0
+        mem = used_bytes() - used0
         cached = impl.cached()
         for node in nodes[-5000:]:
             t0 = pc()
@@ -503,6 +510,9 @@ def main() -> None:
     ap.add_argument("--heap-retain-mb", type=int, default=Config().heap_retain_mb,
                     help="freed heap every worker keeps for reuse, as `radixd serve --heap-retain-mb` (default: the "
                          "server's; 0: glibc's defaults)")
+    ap.add_argument("--no-prefault", dest="prefault", action="store_false",
+                    help="leave the kept heap cold: new edges' memory is faulted in during the timed operations "
+                         "(default: faulted in at start, as `radixd serve --prefault`)")
     ap.add_argument("--worker", choices=["radixd", "sglang", "sglang-rust"], help=argparse.SUPPRESS)
     ap.add_argument("--instructions-worker", help=argparse.SUPPRESS)
     ap.add_argument("--mode", choices=["base", "off", "on"], help=argparse.SUPPRESS)
@@ -524,6 +534,7 @@ def main() -> None:
     if args.events_instructions:
         return events_instructions(args, base)
     base += ["--publisher", args.publisher, "--heap-retain-mb", str(args.heap_retain_mb)]
+    base += [] if args.prefault else ["--no-prefault"]
     if args.write_policy:
         base += ["--write-policy", args.write_policy]
     if args.events:
@@ -541,7 +552,9 @@ def main() -> None:
                 sys.exit(f"{impl} worker failed on {wname}:\n{r.stderr[-3000:]}")
             results.setdefault(impl, {}).update(json.loads(r.stdout.strip().splitlines()[-1]))
     refs = [r for r in ("sglang", "sglang-rust") if r in results]
-    print(f"every worker keeps {args.heap_retain_mb} MiB of freed heap (radixd serve's --heap-retain-mb)")
+    print(f"every worker keeps {args.heap_retain_mb} MiB of freed heap, " +
+          ("faulted in at start (radixd serve --heap-retain-mb N --prefault)" if args.prefault else
+           "cold (radixd serve --heap-retain-mb N, no --prefault)"))
     ratios: dict[str, dict[str, list[float]]] = {r: {"insert": [], "match": [], "lock": [], "evict": [], "mem": []}
                                                  for r in refs}
     print(f"{'workload':22} {'op':12} {'impl':11} {'ops/s':>11} {'p50 us':>9} {'p99 us':>9}   {'x sglang':>8} "

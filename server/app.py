@@ -524,7 +524,7 @@ async def _leases(core: CacheCore, lease: float) -> None:
 def run(cfg: Config) -> None:
     """Run the server on uvloop when available (one event loop owns everything)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    retain_freed_memory(cfg.heap_retain_mb << 20)
+    retain_freed_memory(cfg.heap_retain_mb << 20, prefault=cfg.prefault)
     try:
         import uvloop
         uvloop.run(serve(cfg))

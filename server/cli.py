@@ -59,7 +59,8 @@ SERVE_FLAGS = [
     ("--grace-seconds", dict(type=float, help="how long a shutdown waits for calls in progress")),
     ("--lock-lease-seconds", dict(type=float, help="release a lock receipt held longer than this (hung clients; "
                                                    "off by default)")),
-    ("--prefault", dict(action="store_const", const=True, help="touch every pool page at start")),
+    ("--prefault", dict(action="store_const", const=True,
+                        help="touch every pool page and the retained heap (--heap-retain-mb) at start")),
     ("--heap-retain-mb", dict(type=int, help="MiB of freed heap kept for reuse instead of returned to the kernel "
                                               "(0: the C library's default)")),
     ("--model-config", dict(help="Hugging Face config.json of the engine's model: sets --layers, --kv-heads, "

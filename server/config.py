@@ -56,7 +56,7 @@ class Config:
     allow_remote: bool = False  # bind TCP beyond loopback without a token
     grace_seconds: float = 5.0
     lock_lease_seconds: float = 0.0  # > 0: a receipt held longer is released (hung clients); off by default
-    prefault: bool = False  # touch every pool page at start, so a memory shortage shows there
+    prefault: bool = False  # touch every pool page and the kept heap at start: a shortage shows there, no fault later
     heap_retain_mb: int = 256  # freed heap the server keeps for reuse (0: the C library's default)
     model_config: Optional[str] = None  # a Hugging Face config.json: layers, KV heads, head dim, dtype, MLA
     model: Optional[str] = None  # a bundled preset (server/models.py) instead of --model-config
@@ -138,7 +138,7 @@ SCHEMA: dict[str, Setting] = {
     "allow_remote": Setting("bool", "listen beyond loopback without a token"),
     "grace_seconds": Setting("float", "how long a shutdown waits for calls in progress", minimum=0.0),
     "lock_lease_seconds": Setting("float", "release a lock receipt held longer (0: off)", minimum=0.0),
-    "prefault": Setting("bool", "touch every pool page at start"),
+    "prefault": Setting("bool", "touch every pool page and the retained heap (--heap-retain-mb) at start"),
     "heap_retain_mb": Setting("int", "MiB of freed heap kept for the next request's buffers instead of returned to the kernel (0: the C library's default)", minimum=0),
     "model_config": Setting("str", "a Hugging Face config.json for the KV geometry", optional=True),
     "model": Setting("str", "a bundled model preset for the KV geometry", optional=True),

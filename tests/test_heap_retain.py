@@ -1,5 +1,6 @@
 """The server keeps freed heap for reuse (server/memory.py): request-sized buffers that grow from request to request
-cost page faults once, not on every request. Counted with the kernel's own minor-fault counters."""
+cost page faults once, not on every request; with --prefault the kept heap is faulted in at start, so a tree that
+grows from empty takes none. Counted with the kernel's own minor-fault counters."""
 from __future__ import annotations
 
 import subprocess
@@ -64,3 +65,56 @@ def _server_faults(*flags: str) -> int:
 def test_the_server_retains_freed_heap_by_default():
     default, off = _server_faults(), _server_faults("--heap-retain-mb", "0")
     assert off > 3 * default, (default, off)
+
+
+FILL = """
+import resource, sys
+from radixd.server.memory import heap_free_bytes, retain_freed_memory
+print(retain_freed_memory(64 << 20, prefault=sys.argv[1] == "1"))
+free = heap_free_bytes()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+kept = [bytes(bytearray(500_000)) for _ in range(60)]  # a tree's new edges: held, never freed
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before, free)
+"""
+
+
+def _fill(prefault: bool) -> tuple[str, int, int]:
+    out = subprocess.run([sys.executable, "-c", FILL, "1" if prefault else "0"], capture_output=True, text=True,
+                         check=True)
+    applied, faults, free = out.stdout.split()
+    return applied, int(faults), int(free)
+
+
+def test_a_prefaulted_heap_takes_no_faults_while_it_fills():
+    (on, faults, free), (off, cold, _) = _fill(True), _fill(False)
+    assert (on, off) == ("True", "True")
+    touched = 60 * 500_000 // 4096  # the pages the kept buffers fill: each faults once on a cold heap
+    assert cold > touched, (cold, touched)
+    assert faults < touched // 10, (faults, touched)
+    assert free >= (64 - 16 - 1) << 20, free  # faulted in and freed, yet kept (less one block, under the trim mark)
+
+
+def _growth_faults(*flags: str) -> int:
+    """Minor faults of a real server caching 12 distinct prompts of 24k tokens (its tree grows, nothing is freed)."""
+    from radixd.client import CacheClient
+    s = ServerProc("--num-slots", "400000", *flags)
+    try:
+        c = CacheClient(s.target, name="grow")
+        rng = np.random.default_rng(2)
+        prompts = [rng.integers(0, 32000, 24_000, dtype=np.int32) for _ in range(13)]
+        c.insert(prompts[0], c.alloc(24_000))  # the messages' buffers, kept from here on either way
+        before = _minflt(s.proc.pid)
+        for toks in prompts[1:]:
+            assert c.insert(toks, c.alloc(len(toks))).prefix_len == 0
+        faults = _minflt(s.proc.pid) - before
+        c.close()
+        return faults
+    finally:
+        s.stop()
+
+
+def test_a_prefaulted_server_grows_its_tree_without_faults():
+    cold, warm = _growth_faults(), _growth_faults("--prefault")
+    edges = 12 * 24_000 * 8 // 4096  # each new edge's key and slots: pages a cold heap faults in
+    assert cold > edges // 2, (cold, edges)
+    assert warm < cold // 3, (warm, cold)
