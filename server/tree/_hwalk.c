@@ -1142,7 +1142,7 @@ static int lazy_lru(PyObject *tree, PyObject *ctx) {
 /* The leaf heap entry of a node (device, or host), pushed under its current policy key, as RadixTree._add_leaf and
  * _add_hleaf do after their set update: its version bumped (an older entry goes stale), the heap compacted by
  * tree._compact once past slack x live + floor (ctx's last two). ctx[-3]: the LRU policy's key function, whose key
- * (the node's last_access alone) is built here without calling it. */
+ * (the node's last_access) is read here without calling it. */
 static int heap_push(PyObject *tree, PyObject *node, int host, PyObject *leaves, PyObject *ctx) {
     Py_ssize_t ver, seq, n = PyTuple_GET_SIZE(ctx);
     Py_ssize_t slack = PyLong_AsSsize_t(PyTuple_GET_ITEM(ctx, n - 2)), floor = PyLong_AsSsize_t(PyTuple_GET_ITEM(ctx, n - 1));
@@ -1151,12 +1151,8 @@ static int heap_push(PyObject *tree, PyObject *node, int host, PyObject *leaves,
     if (PyErr_Occurred() || ladd(&full_layout, node, host ? FN_HVER : FN_DVER, 1, &ver) < 0 ||
         tree_add(tree, s_heap_seq, 1, &seq) < 0 || (key_of = tattr(tree, s_key_of)) == NULL)
         goto out;
-    if (key_of == PyTuple_GET_ITEM(ctx, n - 3)) {  /* LRU's key, (node.last_access,), built here: no call */
-        PyObject *atime = fget(node, FN_ATIME);
-        if (atime != NULL && (key = PyTuple_New(1)) != NULL)
-            PyTuple_SET_ITEM(key, 0, atime);  /* steals atime */
-        else
-            Py_XDECREF(atime);
+    if (key_of == PyTuple_GET_ITEM(ctx, n - 3)) {  /* LRU's key, node.last_access, read here: no call */
+        key = fget(node, FN_ATIME);
     } else {
         key = PyObject_CallOneArg(key_of, node);
     }
@@ -1815,8 +1811,7 @@ static PyObject *full_evict(PyObject *Py_UNUSED(self), PyObject *const *args, Py
             live = PySet_Contains(leaves, node);
         if (live > 0 && lazy) {  /* touched since it was pushed: back in at its place, not evicted */
             PyObject *key = PyTuple_GET_ITEM(entry, 0), *atime = fget(node, FN_ATIME);
-            int same = atime == NULL ? -1 : !PyTuple_Check(key) || PyTuple_GET_SIZE(key) != 1 ? 0 :
-                       PyObject_RichCompareBool(PyTuple_GET_ITEM(key, 0), atime, Py_EQ);
+            int same = atime == NULL ? -1 : PyObject_RichCompareBool(key, atime, Py_EQ);
             Py_XDECREF(atime);
             if (same == 0)
                 live = heap_push(tree, node, 0, leaves, ctx) < 0 ? -1 : 0;

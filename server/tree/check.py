@@ -66,7 +66,7 @@ def _check_heap(tree: "RadixTree", heap: list, leaves: set, ver: str, name: str,
     for node in leaves:
         if node not in live:
             bad.append(f"{name} leaf {node.id:#x} has no live heap entry")
-        elif live[node] != tree._key_of(node) and not (tree._lazy and live[node][0] < node.last_access):
+        elif live[node] != tree._key_of(node) and not (tree._lazy and live[node] < node.last_access):
             bad.append(f"{name} leaf {node.id:#x} heap key {live[node]} is stale, now {tree._key_of(node)}")
 
 

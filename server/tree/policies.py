@@ -1,12 +1,13 @@
-"""Eviction policies as heap sort keys: the smallest key is evicted first."""
+"""Eviction policies as heap sort keys: the smallest key is evicted first. A one-field key is the bare number, not a
+1-tuple: the leaf heap compares keys on every push and pop, and a nested tuple costs it a second comparison level."""
 from __future__ import annotations
 
-from typing import Callable, TYPE_CHECKING
+from typing import Any, Callable, TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .node import Node
 
-PolicyKey = Callable[["Node"], tuple]
+PolicyKey = Callable[["Node"], Any]  # a number or a tuple, the same kind for every node
 
 # Default hits (inserts that touched a node) after which SLRU moves it out of probation, as SGLang.
 DEFAULT_SLRU_THRESHOLD = 2
@@ -17,10 +18,10 @@ def _slru(threshold: int) -> PolicyKey:
 
 
 POLICIES: dict[str, PolicyKey] = {
-    "lru": lambda n: (n.last_access,),
-    "mru": lambda n: (-n.last_access,),
-    "fifo": lambda n: (n.created,),
-    "filo": lambda n: (-n.created,),
+    "lru": lambda n: n.last_access,
+    "mru": lambda n: -n.last_access,
+    "fifo": lambda n: n.created,
+    "filo": lambda n: -n.created,
     "lfu": lambda n: (n.hit_count, n.last_access),
     "priority": lambda n: (n.priority, n.last_access),
     "slru": _slru(DEFAULT_SLRU_THRESHOLD),

@@ -788,7 +788,7 @@ class RadixTree(TransferMixin, StorageMixin):
             key, _, ver, node = pop(heap)
             if ver != node.dver or node not in leaves:
                 continue
-            if lazy and key[0] != node.last_access:  # touched since it was pushed: back in at its place
+            if lazy and key != node.last_access:  # touched since it was pushed: back in at its place
                 self._add_leaf(node)
                 continue
             size = len(node.value) >> 2
@@ -830,7 +830,7 @@ class RadixTree(TransferMixin, StorageMixin):
             key, _, ver, node = pop(heap)
             if ver != node.dver or node not in leaves:
                 continue
-            if lazy and key[0] != node.last_access:  # touched since it was pushed: back in at its place
+            if lazy and key != node.last_access:  # touched since it was pushed: back in at its place
                 self._add_leaf(node)
                 continue
             if gone is not None:
@@ -885,7 +885,7 @@ class RadixTree(TransferMixin, StorageMixin):
             key, _, ver, node = pop(heap)
             if ver != node.hver or node not in leaves:
                 continue
-            if lazy and key[0] != node.last_access:  # touched since it was pushed: back in at its place
+            if lazy and key != node.last_access:  # touched since it was pushed: back in at its place
                 self._add_hleaf(node)
                 continue
             value = node.host_value
