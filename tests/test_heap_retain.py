@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from typing import Callable
 
 import numpy as np
 
@@ -43,23 +44,35 @@ def _minflt(pid: int) -> int:
         return int(f.read().rsplit(")", 1)[1].split()[7])  # field 10: minor faults
 
 
-def _server_faults(*flags: str) -> int:
-    """Minor faults of a real server answering matches whose slot arrays grow from 8k to 200k tokens."""
+def _faults_while(num_slots: int, flags: tuple, warm: Callable, measured: Callable) -> int:
+    """Minor faults of a real server while a client runs measured(client), after warm(client)."""
     from radixd.client import CacheClient
-    s = ServerProc("--num-slots", "262144", *flags)
+    s = ServerProc("--num-slots", str(num_slots), *flags)
     try:
         c = CacheClient(s.target, name="heap")
-        toks = np.random.default_rng(1).integers(0, 32000, 200_000, dtype=np.int32)
-        c.insert(toks, c.alloc(len(toks)))
-        c.match_prefix(toks[:4096])
+        warm(c)
         before = _minflt(s.proc.pid)
-        for n in range(8_000, 200_001, 8_000):
-            assert c.match_prefix(toks[:n]).matched_len == n
+        measured(c)
         faults = _minflt(s.proc.pid) - before
         c.close()
         return faults
     finally:
         s.stop()
+
+
+def _server_faults(*flags: str) -> int:
+    """Minor faults of a real server answering matches whose slot arrays grow from 8k to 200k tokens."""
+    toks = np.random.default_rng(1).integers(0, 32000, 200_000, dtype=np.int32)
+
+    def warm(c) -> None:
+        c.insert(toks, c.alloc(len(toks)))
+        c.match_prefix(toks[:4096])
+
+    def grow(c) -> None:
+        for n in range(8_000, 200_001, 8_000):
+            assert c.match_prefix(toks[:n]).matched_len == n
+
+    return _faults_while(262144, flags, warm, grow)
 
 
 def test_the_server_retains_freed_heap_by_default():
@@ -96,21 +109,15 @@ def test_a_prefaulted_heap_takes_no_faults_while_it_fills():
 
 def _growth_faults(*flags: str) -> int:
     """Minor faults of a real server caching 12 distinct prompts of 24k tokens (its tree grows, nothing is freed)."""
-    from radixd.client import CacheClient
-    s = ServerProc("--num-slots", "400000", *flags)
-    try:
-        c = CacheClient(s.target, name="grow")
-        rng = np.random.default_rng(2)
-        prompts = [rng.integers(0, 32000, 24_000, dtype=np.int32) for _ in range(13)]
-        c.insert(prompts[0], c.alloc(24_000))  # the messages' buffers, kept from here on either way
-        before = _minflt(s.proc.pid)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, 32000, 24_000, dtype=np.int32) for _ in range(13)]
+
+    def fill(c) -> None:
         for toks in prompts[1:]:
             assert c.insert(toks, c.alloc(len(toks))).prefix_len == 0
-        faults = _minflt(s.proc.pid) - before
-        c.close()
-        return faults
-    finally:
-        s.stop()
+
+    # the first insert sizes the messages' buffers, kept from then on either way
+    return _faults_while(400000, flags, lambda c: c.insert(prompts[0], c.alloc(24_000)), fill)
 
 
 def test_a_prefaulted_server_grows_its_tree_without_faults():
