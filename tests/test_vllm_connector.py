@@ -498,7 +498,8 @@ def test_every_cpu_kernel_converts_exactly():
     conversion gives back exactly the K and V the kernel was handed (tests/vllm_layout_check.py)."""
     r = subprocess.run([VLLM_PY, str(ROOT / "tests" / "vllm_layout_check.py")], capture_output=True, text=True,
                        timeout=600, env={**os.environ, "PYTHONPATH": ""})
-    assert r.returncode == 0 and "ok layouts 11" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    want = "ok layouts 9" if "amx: this CPU has no AMX tiles" in r.stdout else "ok layouts 11"
+    assert r.returncode == 0 and want in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
 
 
 @needs_vllm
