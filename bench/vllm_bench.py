@@ -6,6 +6,9 @@ Engines run in vLLM's venv (`.venv-vllm`, built by .ci/run; or RADIXD_VLLM_PYTHO
   A  connector, radixd cold    a miss: prefill + page stores + CacheUnfinished (+ MatchPrefix with --events off:
                                the connector then has no local index of radixd's pages to answer it)
   B  connector, radixd warm    a hit: MatchPrefix + page loads, prefill of the last partial page only
+The three engines are up at once and take the prompts in turns (C and A alternating which goes first, B last,
+once radixd holds what A stored): this machine's speed drifts by up to 1.6x over seconds, and a ratio of two
+times taken a few milliseconds apart cancels most of it. The ratios are the medians of the per-prompt ratios.
 Each engine first serves a short warm-up prompt, and each length one more (not timed); then --repeat
 distinct prompts per length are timed.
 
@@ -17,7 +20,7 @@ for a lookup while the engine had nothing else to run ("busy": what it kept the 
 and radixd calls per step made on the scheduler thread (an Alloc when the slot stock runs short) and on the
 connector's lookup thread (MatchPrefix, LoadBack).
 
-    python bench/vllm_bench.py [--lengths 512,1024,2048,4096] [--repeat 3] [--batches 1,16,128]
+    python bench/vllm_bench.py [--lengths 512,1024,2048,4096] [--repeat 20] [--batches 1,16,128]
                                [--arch nemotron-h]
 
 CPU layout (--cpus): "split" (the default) runs every engine, C included, with one OpenMP thread fewer than the
@@ -44,11 +47,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from tests.conftest import ServerProc  # noqa: E402
+from radixd.client import CacheClient  # noqa: E402
 
 ENGINE = ROOT / "tests" / "vllm_engine.py"
 BLOCK = 32
@@ -107,10 +112,67 @@ def _engine(py: str, model: str, prompts: list[list[int]], target: str, max_len:
     return json.load(open(oj))
 
 
+class _Served:
+    """An engine kept up (tests/vllm_engine.py --serve) that generates the prompts it is handed by index."""
+
+    def __init__(self, py: str, model: str, prompts: list[list[int]], target: str, max_len: int, hybrid: bool,
+                 *more: str):
+        self.dir = tempfile.mkdtemp(prefix="radixd-vllm-bench-")
+        json.dump(prompts, open(os.path.join(self.dir, "p.json"), "w"))
+        r, w = os.pipe()
+        cmd = [py, str(ENGINE), model, os.path.join(self.dir, "p.json"), "--max-tokens", "1", "--max-model-len",
+               str(max_len), "--serve", str(w), *more]
+        if target:
+            cmd += ["--radixd", target] + (["--hybrid"] if hybrid else [])
+        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": "", **_ENGINE_ENV}
+        with open(os.path.join(self.dir, "log"), "w") as log:
+            self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
+                                         pass_fds=(w,), text=True, start_new_session=True)
+        os.close(w)
+        self.reply = os.fdopen(r)
+
+    def _line(self) -> str:
+        line = self.reply.readline()
+        if not line:
+            raise SystemExit(f"engine failed ({self.proc.wait()}); see {self.dir}/log")
+        return line
+
+    def ready(self) -> None:
+        self._line()
+
+    def run(self, i: int) -> dict:
+        self.proc.stdin.write(f"{i}\n")
+        self.proc.stdin.flush()
+        return json.loads(self._line())[0]
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.close()
+            self.proc.wait(120)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _await_stored(client: CacheClient, prompt: list[int], block: int, hybrid: bool, timeout: float = 10.0) -> None:
+    """Until radixd holds what the miss engine stored of the prompt (its publish runs after its generate returns)."""
+    want = (len(prompt) - (1 if hybrid else 0)) // block * block
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = client.match_hybrid([prompt])[0].matched_len if hybrid else client.match_prefix(prompt).matched_len
+        if got >= want:
+            return
+        time.sleep(0.001)
+    print(f"warning: radixd holds a shorter prefix than the miss engine stored ({got} < {want} tokens)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", default="512,1024,2048,4096")
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--batches", default="1,16,128", help="batch sizes for the scheduler-side costs ('' skips)")
     ap.add_argument("--batch-len", type=int, default=256)
     ap.add_argument("--batch-prompts", type=int, default=256)
@@ -119,6 +181,9 @@ def main() -> None:
                                                                "published states (0: the config's chunk_size)")
     ap.add_argument("--cpus", default="split", choices=["split", "shared"],
                     help="split: engines get one OpenMP thread fewer than the CPUs, radixd the last CPU (see above)")
+    ap.add_argument("--extra", default="{}", help="more kv_connector_extra_config for engines A and B (JSON), e.g. "
+                                                  "'{\"local_index\": false}' (async_save does not suit the TTFT "
+                                                  "part: a store lands at the engine's next call, after B's turn)")
     ap.add_argument("--events", default="on", choices=["on", "off"],
                     help="radixd's --kv-events: on, the connector answers misses from its local index (no RPC)")
     args = ap.parse_args()
@@ -138,24 +203,40 @@ def main() -> None:
     max_len = max(lengths) + 2 * block
     srv = _server(args.cpus, "--num-slots", str(max(65536, 2 * sum(map(len, prompts)))), "--page-size", str(block),
                      "--model-config", os.path.join(model, "config.json"), *extra)
+    everything = [warm] + prompts
+    engines = {w: _Served(py, model, everything, "" if w == "C" else srv.target, max_len, hybrid,
+                          *(["--await-index"] if w == "B" and args.events == "on" else []),
+                          *(["--extra", args.extra] if w != "C" else [])) for w in "CAB"}
+    times: dict[str, list[float]] = {w: [] for w in "CAB"}
+    cached: list[int] = []
     try:
-        c = _engine(py, model, [warm] + prompts, "", max_len)[1:]
-        a = _engine(py, model, [warm] + prompts, srv.target, max_len, hybrid=hybrid)[1:]
-        b = _engine(py, model, [warm] + prompts, srv.target, max_len, hybrid=hybrid)[1:]  # warm-up hits: loads warmed
+        for e in engines.values():
+            e.ready()
+        with CacheClient(srv.target, attach=False) as probe:
+            for i in range(len(everything)):
+                order = "CA" if i % 2 else "AC"
+                got = {w: engines[w].run(i) for w in order}
+                _await_stored(probe, everything[i], block, hybrid)
+                got["B"] = engines["B"].run(i)
+                assert got["B"]["tokens"] == got["C"]["tokens"], "a hit changed the output"
+                for w in "CAB":
+                    times[w].append(got[w]["seconds"])
+                cached.append(got["B"]["cached"])
     finally:
+        for e in engines.values():
+            e.close()
         srv.stop()
     results = {}
     print(f"{'prompt':>7} {'C no conn ms':>13} {'A miss ms':>10} {'B hit ms':>9} {'B cached':>9} "
-          f"{'TTFT C/B':>9} {'miss A/C':>9}   (medians of {args.repeat} prompts)")
+          f"{'TTFT C/B':>9} {'miss A/C':>9}   (medians of {args.repeat} prompts, of times and of per-prompt ratios)")
     for i, n in enumerate(lengths):
-        sl = slice(i * per + 1, (i + 1) * per)
-        tc = statistics.median(r["seconds"] for r in c[sl])
-        ta = statistics.median(r["seconds"] for r in a[sl])
-        tb = statistics.median(r["seconds"] for r in b[sl])
-        cached = min(r["cached"] for r in b[sl])
-        assert all(x["tokens"] == y["tokens"] for x, y in zip(b[sl], c[sl])), "a hit changed the output"
-        results[f"ttft_x_{n}"], results[f"miss_overhead_{n}"] = tc / tb, ta / tc
-        print(f"{n:7d} {tc * 1e3:13.1f} {ta * 1e3:10.1f} {tb * 1e3:9.1f} {cached:9d} {tc / tb:9.2f} {ta / tc:9.2f}")
+        sl = slice(1 + i * per + 1, 1 + (i + 1) * per)
+        tc, ta, tb = (times[w][sl] for w in "CAB")
+        results[f"ttft_x_{n}"] = statistics.median(c / b for c, b in zip(tc, tb))
+        results[f"miss_overhead_{n}"] = statistics.median(a / c for a, c in zip(ta, tc))
+        print(f"{n:7d} {statistics.median(tc) * 1e3:13.1f} {statistics.median(ta) * 1e3:10.1f} "
+              f"{statistics.median(tb) * 1e3:9.1f} {min(cached[sl]):9d} {results[f'ttft_x_{n}']:9.2f} "
+              f"{results[f'miss_overhead_{n}']:9.2f}")
     if args.batches:
         results.update(_scheduler_side(py, model, args))
     print("RESULT " + " ".join(f"{k}={v:.3f}" for k, v in results.items()))

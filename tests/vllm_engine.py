@@ -1,10 +1,14 @@
 """A real vLLM engine on the CPU with a tiny local model, run by the connector tests in vLLM's own venv.
 
     python tests/vllm_engine.py MODEL_DIR [PROMPTS.json OUT.json] [--radixd TARGET] [--max-tokens N]
+    python tests/vllm_engine.py MODEL_DIR PROMPTS.json --serve FD [--radixd TARGET] ...
 
 Builds the model (seeded random Llama weights, WordLevel tokenizer) into MODEL_DIR when it is not there,
 generates greedily for each prompt (token ids), --batch at a time (default one), and writes per prompt the generated
 token ids and `num_cached_tokens`. With --radixd the engine uses `radixd.vllm.RadixdConnector`.
+With --serve the engine stays up: it writes `ready` to file descriptor FD once built, then for each line of prompt
+indices read from stdin generates those prompts together and writes one JSON line of their results to FD (a
+benchmark alternates several engines prompt by prompt, so that a noisy machine slows them alike).
 """
 from __future__ import annotations
 
@@ -95,6 +99,9 @@ def main() -> None:
     ap.add_argument("--extra", default="{}", help="more kv_connector_extra_config (JSON)")
     ap.add_argument("--stats", default="", help="write the connector's scheduler-side costs here (in-process "
                                                 "engine only)")
+    ap.add_argument("--serve", type=int, default=-1, help="stay up: prompt indices from stdin, results to this fd")
+    ap.add_argument("--await-index", action="store_true", help="--serve: before each prompt, wait until the "
+                    "connector's local index of radixd's pages has its first page (another engine stored it)")
     args = ap.parse_args()
     if not os.path.exists(os.path.join(args.model_dir, "model.safetensors")):
         build_model(args.model_dir, args.arch)
@@ -118,6 +125,8 @@ def main() -> None:
               enable_prefix_caching=True, kv_cache_memory_bytes=64 << 20, seed=0, **kw)
     prompts = json.load(open(args.prompts))
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    if args.serve >= 0:
+        _serve(llm, prompts, sp, os.fdopen(args.serve, "w", buffering=1), args.await_index)
     out = []
     for i in range(0, len(prompts), args.batch):
         group = prompts[i:i + args.batch]
@@ -142,6 +151,27 @@ def main() -> None:
     print("engine done", flush=True)
     sys.stdout.flush()
     os._exit(0)  # vLLM's background threads can hold the interpreter at exit
+
+
+def _serve(llm, prompts: list, sp, reply, await_index: bool) -> None:
+    """Generate the prompts named on each line of stdin, timed, until stdin closes; then exit at once."""
+    import numpy as np
+    index = llm.llm_engine.engine_core.engine_core.scheduler.connector._sched.index if await_index else None
+    reply.write("ready\n")
+    for line in sys.stdin:
+        group = [prompts[int(i)] for i in line.split()]
+        deadline = time.monotonic() + 10
+        while index is not None and time.monotonic() < deadline and \
+                any(index.known_miss(np.asarray(p, np.int32)) for p in group):
+            time.sleep(0.001)  # the event of another engine's store is on its way to this engine's index
+        t0 = time.perf_counter()
+        rs = llm.generate([{"prompt_token_ids": p} for p in group], sp, use_tqdm=False)
+        took = time.perf_counter() - t0
+        reply.write(json.dumps([dict(tokens=list(r.outputs[0].token_ids), cached=r.num_cached_tokens or 0,
+                                     seconds=took) for r in rs]) + "\n")
+    llm.llm_engine.engine_core.shutdown()
+    reply.close()
+    os._exit(0)
 
 
 if __name__ == "__main__":
