@@ -59,7 +59,7 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import numpy as np
 import torch
@@ -118,7 +118,8 @@ class RadixdWorkerMetadata(KVConnectorWorkerMetadata):
 
 @dataclass
 class _Req:
-    tokens: np.ndarray  # the prompt, int32, converted once: lookups, publishes and the release take slices of it
+    tokens: Sequence[int]  # the prompt as vLLM holds it (a list): lookups, publishes and the release take slices of
+    # it, converted to radixd's int32 on the thread that makes the call, not on the scheduler's
     ns: dict[str, str]
     prefix: np.ndarray = field(default_factory=lambda: EMPTY)  # radixd's hit (locked), for loads
     swa: np.ndarray = field(default_factory=lambda: EMPTY)  # hybrid: the hit's SWA twins
@@ -407,7 +408,7 @@ class _Scheduler:
         if rid in self.reqs or request.prompt_token_ids is None:
             return
         toks = request.prompt_token_ids
-        st = _Req(np.asarray(toks, dtype=np.int32), _namespace(request))
+        st = _Req(toks, _namespace(request))
         self.reqs[rid] = st
         # every whole page: what radixd has need not be stored again; with state layers only up to the last
         # loadable token, as the state radixd hands back sits exactly at the hit's end
@@ -418,7 +419,7 @@ class _Scheduler:
         else:
             self.running += 1
 
-    def _known_miss(self, tokens: np.ndarray, ns: dict[str, str]) -> bool:
+    def _known_miss(self, tokens: Sequence[int], ns: dict[str, str]) -> bool:
         return self.index is not None and self.index.known_miss(tokens, ns["cache_salt"])
 
     def matched(self, request: "Request", num_computed: int) -> Optional[int]:
