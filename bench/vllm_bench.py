@@ -6,8 +6,8 @@ Engines run in vLLM's venv (`.venv-vllm`, built by .ci/run; or RADIXD_VLLM_PYTHO
   A  connector, radixd cold    a miss: prefill + page stores + CacheUnfinished (+ MatchPrefix with --events off:
                                the connector then has no local index of radixd's pages to answer it)
   B  connector, radixd warm    a hit: MatchPrefix + page loads, prefill of the last partial page only
-The three engines are up at once and take the prompts in turns (C and A alternating which goes first, B last,
-once radixd holds what A stored): this machine's speed drifts by up to 1.6x over seconds, and a ratio of two
+The three engines are up at once and take the prompts in turns (C and A alternating which goes first, B one
+prompt behind them, once radixd holds what A stored): this machine's speed drifts by up to 1.6x over seconds, and a ratio of two
 times taken a few milliseconds apart cancels most of it. The ratios are the medians of the per-prompt ratios.
 Each engine first serves a short warm-up prompt, and each length one more (not timed); then --repeat
 distinct prompts per length are timed.
@@ -182,8 +182,7 @@ def main() -> None:
     ap.add_argument("--cpus", default="split", choices=["split", "shared"],
                     help="split: engines get one OpenMP thread fewer than the CPUs, radixd the last CPU (see above)")
     ap.add_argument("--extra", default="{}", help="more kv_connector_extra_config for engines A and B (JSON), e.g. "
-                                                  "'{\"local_index\": false}' (async_save does not suit the TTFT "
-                                                  "part: a store lands at the engine's next call, after B's turn)")
+                                                  "'{\"local_index\": false}' or '{\"async_save\": true}'")
     ap.add_argument("--events", default="on", choices=["on", "off"],
                     help="radixd's --kv-events: on, the connector answers misses from its local index (no RPC)")
     args = ap.parse_args()
@@ -213,15 +212,22 @@ def main() -> None:
         for e in engines.values():
             e.ready()
         with CacheClient(srv.target, attach=False) as probe:
-            for i in range(len(everything)):
-                order = "CA" if i % 2 else "AC"
-                got = {w: engines[w].run(i) for w in order}
-                _await_stored(probe, everything[i], block, hybrid)
-                got["B"] = engines["B"].run(i)
-                assert got["B"]["tokens"] == got["C"]["tokens"], "a hit changed the output"
-                for w in "CAB":
-                    times[w].append(got[w]["seconds"])
-                cached.append(got["B"]["cached"])
+            for i in range(len(everything) + 1):
+                if i < len(everything):
+                    for w in ("CA" if i % 2 else "AC"):
+                        got = engines[w].run(i)
+                        times[w].append(got["seconds"])
+                        if w == "C":
+                            want = got["tokens"]
+                else:  # one more call: with async_save a store is reported (then published) at the next step
+                    engines["A"].run(0)
+                if i:  # B trails by a prompt, so that A's stores of it have landed
+                    _await_stored(probe, everything[i - 1], block, hybrid)
+                    got = engines["B"].run(i - 1)
+                    assert got["tokens"] == prev, "a hit changed the output"
+                    times["B"].append(got["seconds"])
+                    cached.append(got["cached"])
+                prev = want
     finally:
         for e in engines.values():
             e.close()
@@ -250,6 +256,7 @@ def _scheduler_side(py: str, model: str, args) -> dict[str, float]:
     print(f"\n{'batch':>5} {'mode':>4} {'requests':>8} {'steps':>6} {'p50 us':>8} {'p99 us':>8} {'busy p50':>8} "
           f"{'busy p99':>8} {'rpcs/step max':>13} {'mean':>5} {'lookup rpcs/step max':>20} {'mean':>5} "
           f"{'local misses':>12}")
+    hooks: list[str] = []  # per hook: calls x mean microseconds
     for batch in [int(x) for x in args.batches.split(",")]:
         block = 64 if args.arch != "llama" else BLOCK
         srv = _server(args.cpus, "--num-slots", str(max(65536, 2 * args.batch_len * args.batch_prompts)),
@@ -266,12 +273,16 @@ def _scheduler_side(py: str, model: str, args) -> dict[str, float]:
                       f"{st['p99_us']:8.0f} {st['busy_p50_us']:8.0f} {st['busy_p99_us']:8.0f} {st['max_rpcs_per_step']:13d} {st['mean_rpcs_per_step']:5.2f} "
                       f"{st['max_lookup_rpcs_per_step']:20d} {st['mean_lookup_rpcs_per_step']:5.2f} "
                       f"{st['local_misses']:12d}")
+                hooks.append(f"{batch:5d} {mode:>4}  " + "  ".join(
+                    f"{name} {n}x{us:.0f}" for name, (n, us) in sorted(st["hooks_us"].items())))
                 out[f"sched_p50_us_{mode}_{batch}"] = st["p50_us"]
                 out[f"sched_p99_us_{mode}_{batch}"] = st["p99_us"]
                 out[f"sched_busy_p50_us_{mode}_{batch}"] = st["busy_p50_us"]
                 out[f"max_rpcs_per_step_{mode}_{batch}"] = st["max_rpcs_per_step"]
         finally:
             srv.stop()
+    print("\nper hook, calls x mean us (a step-wide hook is called once a step):")
+    print("\n".join(hooks))
     return out
 
 
