@@ -7,8 +7,9 @@ Engines run in vLLM's venv (`.venv-vllm`, built by .ci/run; or RADIXD_VLLM_PYTHO
                                the connector then has no local index of radixd's pages to answer it)
   B  connector, radixd warm    a hit: MatchPrefix + page loads, prefill of the last partial page only
 The three engines are up at once and take the prompts in turns (C and A alternating which goes first, B one
-prompt behind them, once radixd holds what A stored): this machine's speed drifts by up to 1.6x over seconds, and a ratio of two
-times taken a few milliseconds apart cancels most of it. The ratios are the medians of the per-prompt ratios.
+prompt behind them, once radixd holds what A stored): this machine's speed drifts by up to 1.6x over seconds,
+and a ratio of two times taken a few milliseconds apart cancels most of it. The ratios are the medians of the
+per-prompt ratios.
 Each engine first serves a short warm-up prompt, and each length one more (not timed); then --repeat
 distinct prompts per length are timed.
 
