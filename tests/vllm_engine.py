@@ -133,8 +133,7 @@ def main() -> None:
         t0 = time.perf_counter()
         rs = llm.generate([{"prompt_token_ids": p} for p in group], sp, use_tqdm=False)
         took = time.perf_counter() - t0
-        out += [dict(tokens=list(r.outputs[0].token_ids), cached=r.num_cached_tokens or 0, seconds=took)
-                for r in rs]
+        out += _results(rs, took)
         if args.evict_between:
             from radixd.client import CacheClient
             with CacheClient(args.radixd, attach=False) as c:
@@ -153,22 +152,25 @@ def main() -> None:
     os._exit(0)  # vLLM's background threads can hold the interpreter at exit
 
 
+def _results(rs: list, took: float) -> list[dict]:
+    """Per prompt: the generated ids, the tokens the engine found cached, and the generate call's seconds."""
+    return [dict(tokens=list(r.outputs[0].token_ids), cached=r.num_cached_tokens or 0, seconds=took) for r in rs]
+
+
 def _serve(llm, prompts: list, sp, reply, await_index: bool) -> None:
     """Generate the prompts named on each line of stdin, timed, until stdin closes; then exit at once."""
-    import numpy as np
     index = llm.llm_engine.engine_core.engine_core.scheduler.connector._sched.index if await_index else None
     reply.write("ready\n")
     for line in sys.stdin:
         group = [prompts[int(i)] for i in line.split()]
         deadline = time.monotonic() + 10
         while index is not None and time.monotonic() < deadline and \
-                any(index.known_miss(np.asarray(p, np.int32)) for p in group):
+                any(index.known_miss(p) for p in group):
             time.sleep(0.001)  # the event of another engine's store is on its way to this engine's index
         t0 = time.perf_counter()
         rs = llm.generate([{"prompt_token_ids": p} for p in group], sp, use_tqdm=False)
         took = time.perf_counter() - t0
-        reply.write(json.dumps([dict(tokens=list(r.outputs[0].token_ids), cached=r.num_cached_tokens or 0,
-                                     seconds=took) for r in rs]) + "\n")
+        reply.write(json.dumps(_results(rs, took)) + "\n")
     llm.llm_engine.engine_core.shutdown()
     reply.close()
     os._exit(0)
