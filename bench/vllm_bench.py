@@ -172,7 +172,7 @@ def _await_stored(client: CacheClient, prompt: list[int], block: int, hybrid: bo
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--lengths", default="512,1024,2048,4096")
+    ap.add_argument("--lengths", default="512,1024,2048,4096", help="prompt lengths for time to first token ('' skips)")
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--batches", default="1,16,128", help="batch sizes for the scheduler-side costs ('' skips)")
     ap.add_argument("--batch-len", type=int, default=256)
@@ -195,6 +195,14 @@ def main() -> None:
     block = 64 if hybrid else BLOCK  # the Nemotron-H engine's block (tests/vllm_engine.py)
     extra = ("--hybrid-cache", "--mamba-states", "2048", "--mamba-chunk", str(args.mamba_chunk)) if hybrid else ()
     extra += ("--kv-events",) if args.events == "on" else ()
+    results = _ttft(py, model, args, hybrid, block, extra) if args.lengths else {}
+    if args.batches:
+        results.update(_scheduler_side(py, model, args))
+    print("RESULT " + " ".join(f"{k}={v:.3f}" for k, v in results.items()))
+
+
+def _ttft(py: str, model: str, args, hybrid: bool, block: int, extra: tuple) -> dict[str, float]:
+    """Time to first token of engines C, A and B on --repeat prompts of each of --lengths, taken in turns."""
     lengths = [int(x) for x in args.lengths.split(",")]
     rng = random.Random(7)
     warm = [rng.randrange(3, 512) for _ in range(40)]
@@ -233,7 +241,7 @@ def main() -> None:
         for e in engines.values():
             e.close()
         srv.stop()
-    results = {}
+    results: dict[str, float] = {}
     print(f"{'prompt':>7} {'C no conn ms':>13} {'A miss ms':>10} {'B hit ms':>9} {'B cached':>9} "
           f"{'TTFT C/B':>9} {'miss A/C':>9}   (medians of {args.repeat} prompts, of times and of per-prompt ratios)")
     for i, n in enumerate(lengths):
@@ -244,9 +252,7 @@ def main() -> None:
         print(f"{n:7d} {statistics.median(tc) * 1e3:13.1f} {statistics.median(ta) * 1e3:10.1f} "
               f"{statistics.median(tb) * 1e3:9.1f} {min(cached[sl]):9d} {results[f'ttft_x_{n}']:9.2f} "
               f"{results[f'miss_overhead_{n}']:9.2f}")
-    if args.batches:
-        results.update(_scheduler_side(py, model, args))
-    print("RESULT " + " ".join(f"{k}={v:.3f}" for k, v in results.items()))
+    return results
 
 
 def _scheduler_side(py: str, model: str, args) -> dict[str, float]:

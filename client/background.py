@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Hashable, Optional
+from collections import deque
+from typing import Any, Callable, Hashable, Optional
 
 import numpy as np
 
@@ -14,6 +15,64 @@ from .errors import RadixdError
 
 log = logging.getLogger("radixd.client")
 EMPTY = np.zeros(0, np.int64)
+
+
+class Inbox:
+    """Work an engine's scheduler thread hands to one of these threads, with no lock and no system call on its side
+    while the thread is awake: on a cache-cold scheduler thread a Condition's notify cost about 35 us, and waking a
+    sleeping thread (a futex call) 35 us more, twice the rest of a hook. The thread polls every `tick` while work
+    keeps coming and sleeps after `rest` seconds without any; a post then wakes it (that one call pays the wake)."""
+
+    def __init__(self, tick: float, rest: float = 1.0):
+        self.tick, self.rest = tick, rest
+        self.items: deque = deque()
+        self._bell = threading.Lock()
+        self._bell.acquire()  # held: not rung
+        self._asleep = False
+        self._last = time.monotonic()
+
+    def post(self, item: Any) -> None:
+        self.items.append(item)
+        if self._asleep:
+            self.ring()
+
+    def nudge(self) -> None:
+        """Something besides a post needs the thread (a refill): wake it if it sleeps, else its next tick sees it."""
+        if self._asleep:
+            self.ring()
+
+    def ring(self) -> None:
+        """Wake the thread now (someone waits on it, or it must stop)."""
+        try:
+            self._bell.release()
+        except RuntimeError:  # rung already
+            pass
+
+    def wait(self, ready: Callable[[], bool]) -> None:
+        """The thread's side: until ready(), polling each tick while work came within `rest`, else asleep until rung
+        (a post before `_asleep` is set is seen by the check after it; one after it rings)."""
+        while not ready():
+            if time.monotonic() - self._last < self.rest:
+                self._bell.acquire(timeout=self.tick)
+                continue
+            self._asleep = True
+            if not ready():
+                self._bell.acquire()
+            self._asleep = False
+        self._last = time.monotonic()
+
+    def nap(self, seconds: float) -> None:
+        """Sleep up to `seconds`, ended early by a ring."""
+        if seconds > 0:
+            self._bell.acquire(timeout=seconds)
+
+    def drain(self) -> list:
+        out = []
+        try:
+            while True:
+                out.append(self.items.popleft())
+        except IndexError:
+            return out
 
 
 class Lookups:
@@ -29,8 +88,8 @@ class Lookups:
         # by one): one MatchPrefix for the burst instead of one each; a waiter starts the round at once
         self.linger = linger
         self._waiters = 0
-        self._cv = threading.Condition()
-        self._queue: list[tuple[Hashable, np.ndarray, tuple, bool]] = []
+        self._cv = threading.Condition()  # results, waiters and idleness; submissions go through the inbox
+        self._inbox = Inbox(tick=linger)  # (rid, tokens, namespace, load_back)
         self._done: dict[Hashable, tuple[np.ndarray, int]] = {}
         self._dropped: set[Hashable] = set()  # given up on while in flight: released once they land
         self._busy = False
@@ -41,18 +100,17 @@ class Lookups:
 
     def submit(self, rid: Hashable, tokens: np.ndarray, ns: dict[str, str], load_back: Optional[bool] = None) -> None:
         """Look the tokens up (locking what matched); `load_back` overrides the default for this key."""
-        with self._cv:
-            self._queue.append((rid, tokens, tuple(sorted(ns.items())), self.load_back if load_back is None
-                                else load_back))
-            self._cv.notify_all()
+        self._inbox.post((rid, tokens, tuple(sorted(ns.items())), self.load_back if load_back is None else load_back))
 
     def take(self, rid: Hashable, wait: float = 0.0) -> Optional[tuple[np.ndarray, int]]:
         """The lookup's result, waiting up to `wait` seconds for it (a wait releases the GIL, so the lookup
         thread runs at once instead of after the interpreter's switch interval, 5 ms per hand-over)."""
+        if wait <= 0:
+            return self._done.pop(rid, None)
         with self._cv:
-            if rid not in self._done and wait > 0:
+            if rid not in self._done:
                 self._waiters += 1
-                self._cv.notify_all()
+                self._inbox.ring()
                 try:
                     self._cv.wait_for(lambda: rid in self._done, wait)
                 finally:
@@ -69,20 +127,17 @@ class Lookups:
             self.stores.unlock(done[1])
 
     def _run(self) -> None:
+        inbox = self._inbox
         while True:
+            inbox.wait(lambda: bool(inbox.items) or self._stop)
+            if self._stop and not inbox.items:
+                return
+            until = time.monotonic() + self.linger
+            while not self._stop and not self._waiters and time.monotonic() < until:
+                inbox.nap(until - time.monotonic())
             with self._cv:
-                while not (self._queue or self._stop):
-                    self._cv.wait()
-                if self._stop and not self._queue:
-                    return
-                until = time.monotonic() + self.linger
-                while not self._stop and not self._waiters:
-                    left = until - time.monotonic()
-                    if left <= 0:
-                        break
-                    self._cv.wait(left)
-                batch, self._queue = self._queue, []
-                self._busy = True
+                self._busy = True  # before the queue empties: idle() never sees neither
+                batch = inbox.drain()
             results, failed = {}, []
             try:
                 results, failed = self._lookup(batch)
@@ -148,15 +203,17 @@ class Lookups:
 
     def idle(self) -> bool:
         with self._cv:
-            return not (self._queue or self._busy)
+            return not (self._inbox.items or self._busy)
 
     def wait_idle(self, timeout: float) -> None:
         """Until no lookup is out (a request may be waiting on one: it goes first)."""
         with self._cv:
+            if not (self._inbox.items or self._busy):
+                return
             self._waiters += 1
-            self._cv.notify_all()
+            self._inbox.ring()
             try:
-                self._cv.wait_for(lambda: not (self._queue or self._busy), timeout)
+                self._cv.wait_for(lambda: not (self._inbox.items or self._busy), timeout)
             finally:
                 self._waiters -= 1
 
@@ -164,6 +221,7 @@ class Lookups:
         with self._cv:
             self._stop = True
             self._cv.notify_all()
+        self._inbox.ring()
         self._thread.join(timeout=30)
 
 
@@ -190,8 +248,8 @@ class Stores:
         self._states = EMPTY
         self._want_states = 0
         self._taken_states = 0
-        self._cv = threading.Condition()
-        self._ops: list[tuple] = []
+        self._cv = threading.Condition()  # the stock and idleness; operations go through the inbox
+        self._inbox = Inbox(tick=linger or 0.002)
         self._held: dict[Hashable, tuple[np.ndarray, int]] = {}  # rid -> (locked prefix slots, receipt)
         self.refused: set[Hashable] = set()  # requests whose publish failed: the scheduler stops storing them
         self._stock = np.zeros((0, page), np.int64)  # held radixd pages for stores, one row each
@@ -205,9 +263,7 @@ class Stores:
         self._thread.start()
 
     def _put(self, *op: Any) -> None:
-        with self._cv:
-            self._ops.append(op)
-            self._cv.notify_all()
+        self._inbox.post(op)
 
     def hold(self, rid: Hashable, prefix: np.ndarray, receipt: int) -> None:
         self._put("hold", rid, prefix, receipt)
@@ -252,7 +308,7 @@ class Stores:
                 return len(self._stock) >= n and len(self._states) >= states
 
             if not enough() and wait > 0:
-                self._cv.notify_all()
+                self._inbox.ring()
                 self._cv.wait_for(lambda: enough() or self._stop, wait)
             got = None
             if enough():
@@ -261,7 +317,7 @@ class Stores:
                     got = (got, self._twins[:n], self._states[:states])
                     self._twins, self._states = self._twins[n:], self._states[states:]
             if self._needs_refill():
-                self._cv.notify_all()
+                self._inbox.nudge()
             return got
 
     def _needs_refill(self) -> bool:
@@ -269,19 +325,18 @@ class Stores:
             (self._want_states > 0 and len(self._states) <= self._want_states // 2)
 
     def _run(self) -> None:
+        inbox = self._inbox
         while True:
-            with self._cv:
-                while not (self._ops or self._stop or self._needs_refill()):
-                    self._cv.wait()
-                if self._stop and not self._ops:
-                    return
+            inbox.wait(lambda: bool(inbox.items) or self._stop or self._needs_refill())
+            if self._stop and not inbox.items:
+                return
             if self.linger and not self._stop:  # let a step's worth of publishes gather into one call
                 time.sleep(self.linger)
             if self.first is not None:
                 self.first.wait_idle(0.05)
             with self._cv:
-                ops, self._ops = self._ops, []
-                self._busy = True
+                self._busy = True  # before the queue empties: idle() never sees neither
+                ops = inbox.drain()
             try:
                 self._round(ops)
                 self._refill()
@@ -444,11 +499,12 @@ class Stores:
 
     def idle(self) -> bool:
         with self._cv:
-            return not (self._ops or self._busy)
+            return not (self._inbox.items or self._busy)
 
     def wait_idle(self, timeout: float) -> None:
+        self._inbox.ring()
         with self._cv:
-            self._cv.wait_for(lambda: not (self._ops or self._busy), timeout)
+            self._cv.wait_for(lambda: not (self._inbox.items or self._busy), timeout)
 
     def stocked(self) -> int:
         """Tokens of radixd slots held ready (radixd counts them as held)."""
@@ -459,14 +515,15 @@ class Stores:
         """Release everything still held (locks, stocked slots), then stop."""
         with self._cv:
             for rid in list(self._held):
-                self._ops.append(("release", rid, None, None))
+                self._inbox.items.append(("release", rid, None, None))
             stock, self._stock, self._want = self._stock, np.zeros((0, self.page), np.int64), 0
             self._twins = self._twins[:0]
             states, self._states, self._want_states = self._states, EMPTY, 0
             if len(stock):
-                self._ops.append(("free", stock.reshape(-1)))
+                self._inbox.items.append(("free", stock.reshape(-1)))
             for st in states.tolist():
-                self._ops.append(("free_state", st))
+                self._inbox.items.append(("free_state", st))
             self._stop = True
             self._cv.notify_all()
+        self._inbox.ring()
         self._thread.join(timeout=30)

@@ -1,6 +1,7 @@
 """Request building and response decoding shared by the sync and asyncio clients."""
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Sequence
 
@@ -16,6 +17,11 @@ def tokens_bytes(tokens: Any) -> bytes:
         return tokens.astype("<i4", copy=False).tobytes()
     if isinstance(tokens, (bytes, bytearray)):
         return bytes(tokens)
+    if type(tokens) is list:  # an engine's prompt: struct packs a list 3x faster than numpy converts one
+        try:
+            return struct.pack(f"<{len(tokens)}i", *tokens)
+        except struct.error as e:
+            raise OverflowError(f"a token id does not fit int32: {e}") from None
     if hasattr(tokens, "detach"):  # torch
         tokens = tokens.detach().cpu().numpy()
     return np.asarray(tokens, dtype="<i4").tobytes()

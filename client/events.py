@@ -179,7 +179,12 @@ class BlockIndex:
             return False
         h = token_block_hashes(tokens[:self.page_size], self.page_size, cache_salt)[0]
         with self._lock:
-            return any(h in c for m, c in self._nodes.get(node, {}).items() if m in media)
+            held = self._nodes.get(node, {})
+            for m in media:
+                c = held.get(m)
+                if c is not None and h in c:
+                    return True
+            return False
 
     def current(self, node: str, seq: int = 0) -> bool:
         """Whether this index holds `node`'s whole state (its snapshot applied, its stream live) as of every

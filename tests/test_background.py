@@ -52,11 +52,11 @@ def test_a_release_in_the_round_of_its_publish_is_one_cachefinished():
         _settle(stores)
         before = _calls(srv)
         toks = np.concatenate([base, np.arange(200, 204, dtype=np.int32)])  # 3 pages: 1 held, 2 new
-        with stores._cv:  # both ops in one round, as a request that ends at its prefill queues them
-            stores._ops += [("hold", "r", m.indices, m.receipt_id),
-                            ("publish", "r", toks, PAGE, pages.reshape(-1), {}, False, 0, -1),
-                            ("release", "r", toks, {})]
-            stores._cv.notify_all()
+        # all three in one round, as a request that ends at its prefill queues them (one extend: atomic)
+        stores._inbox.items.extend([("hold", "r", m.indices, m.receipt_id),
+                                    ("publish", "r", toks, PAGE, pages.reshape(-1), {}, False, 0, -1),
+                                    ("release", "r", toks, {})])
+        stores._inbox.ring()
         _settle(stores)
         after = _calls(srv)
         assert after.get("CacheFinished", 0) - before.get("CacheFinished", 0) == 1

@@ -15,6 +15,7 @@ FROZEN. External routers and stores depend on these bytes; never change them, ad
 from __future__ import annotations
 
 import hashlib
+import struct
 from typing import Optional
 
 import numpy as np
@@ -141,15 +142,26 @@ def block_hash(digest: bytes) -> int:
     return int.from_bytes(digest[:8], "big", signed=True)
 
 
+_HEAD = struct.Struct(">q24x")  # a digest's block hash: its first 8 bytes, big-endian signed
+
+
 def block_hashes(digests: bytes) -> list[int]:
     """Block hashes of concatenated 32-byte digests, in order."""
-    if not digests:
-        return []
+    if len(digests) <= 16 * 32:  # a few pages (an arrival's check): struct's C loop, no numpy call path
+        return [h for (h,) in _HEAD.iter_unpack(digests)]
     return np.frombuffer(digests, dtype=">i8").reshape(-1, 4)[:, 0].tolist()
 
 
 def token_block_hashes(tokens, page_size: int, cache_salt: str = "") -> list[int]:
     """Block hashes of the whole pages of a token sequence, as a router computes them to look pages up."""
-    arr = np.asarray(tokens, dtype="<u4")
-    n = arr.size - arr.size % page_size
-    return block_hashes(chain(arr[:n].tobytes(), page_size * 4, salt_seed(cache_salt)))
+    if type(tokens) is list:  # an engine's prompt: struct packs a list 3x faster than numpy converts one
+        n = len(tokens) - len(tokens) % page_size
+        try:
+            data = struct.pack(f"<{n}I", *tokens[:n])
+        except struct.error as e:
+            raise OverflowError(f"a token id does not fit uint32: {e}") from None
+    else:
+        arr = np.asarray(tokens, dtype="<u4")
+        n = arr.size - arr.size % page_size
+        data = arr[:n].tobytes()
+    return block_hashes(chain(data, page_size * 4, salt_seed(cache_salt)))
