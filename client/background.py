@@ -248,7 +248,8 @@ class Stores:
         self._states = EMPTY
         self._want_states = 0
         self._taken_states = 0
-        self._cv = threading.Condition()  # the stock and idleness; operations go through the inbox
+        self._mu = threading.Lock()
+        self._cv = threading.Condition(self._mu)  # the stock and idleness; operations go through the inbox
         self._inbox = Inbox(tick=linger or 0.002)
         self._held: dict[Hashable, tuple[np.ndarray, int]] = {}  # rid -> (locked prefix slots, receipt)
         self.refused: set[Hashable] = set()  # requests whose publish failed: the scheduler stops storing them
@@ -270,10 +271,10 @@ class Stores:
 
     def publish(self, rid: Hashable, tokens: np.ndarray, start: int, slots: np.ndarray, ns: dict[str, str],
                 finished: bool = False, swa_floor: int = 0, state: int = -1) -> None:
-        """Attach `slots` (the pages of tokens[start:]) after the request's locked prefix: CacheUnfinished (the
-        lock moves to the longer prefix), or CacheFinished when `finished` (the lock goes). Hybrid models:
-        below `swa_floor` the pages have no sliding-window KV; `state` is the held slot holding the recurrent
-        state as of the last token (models with state layers)."""
+        """Attach `slots` (the pages of tokens[start:], any shape) after the request's locked prefix:
+        CacheUnfinished (the lock moves to the longer prefix), or CacheFinished when `finished` (the lock goes).
+        Hybrid models: below `swa_floor` the pages have no sliding-window KV; `state` is the held slot holding the
+        recurrent state as of the last token (models with state layers)."""
         self._put("publish", rid, tokens, start, slots, ns, finished, swa_floor, state)
 
     def release(self, rid: Hashable, tokens: Optional[np.ndarray] = None, ns: Optional[dict[str, str]] = None) -> None:
@@ -297,21 +298,19 @@ class Stores:
         refill while stores keep coming (at most `slot_stock_tokens`, or n when n is larger), and refilled when
         it falls to half: under a steady stream of stores one Alloc serves many requests. For a hybrid model's
         server, (pages, their SWA twin pages, `states` state slots)."""
-        with self._cv:
+        with self._mu:  # the plain lock (a Condition's `with` is a Python call): this runs on the scheduler thread
             self._taken += n
             self._taken_states += states
             self._want = max(self._want, min(2 * self._taken, max(self.stock_max // self.page, n)))
             if states:
                 self._want_states = max(self._want_states, min(2 * self._taken_states, max(self.states_max, states)))
-
-            def enough() -> bool:
-                return len(self._stock) >= n and len(self._states) >= states
-
-            if not enough() and wait > 0:
+            short = len(self._stock) < n or len(self._states) < states
+            if short and wait > 0:
                 self._inbox.ring()
-                self._cv.wait_for(lambda: enough() or self._stop, wait)
+                self._cv.wait_for(lambda: (len(self._stock) >= n and len(self._states) >= states) or self._stop, wait)
+                short = len(self._stock) < n or len(self._states) < states
             got = None
-            if enough():
+            if not short:
                 got, self._stock = self._stock[:n], self._stock[n:]
                 if self.hybrid:
                     got = (got, self._twins[:n], self._states[:states])
@@ -368,6 +367,7 @@ class Stores:
                 self._held[rid] = (op[2], op[3])
             elif kind == "publish":
                 _, _, tokens, start, slots, ns, finished, floor, state = op
+                slots = np.ravel(slots)
                 prefix, receipt = self._held.get(rid, (EMPTY, 0))
                 if rid in self.refused or start != len(prefix):  # cannot attach: the pages are not kept
                     frees.append(slots)
@@ -394,7 +394,7 @@ class Stores:
             elif kind == "unlock":
                 unlocks.append(rid)
             elif kind == "free":
-                frees.append(rid)
+                frees.append(np.ravel(rid))
             elif kind == "free_state":
                 self._state_frees.append(rid)
         if batch:

@@ -384,7 +384,7 @@ class _Scheduler:
         chunk = (info.get("hybrid") or {}).get("mamba_chunk") or self.page
         self.checkpoint = self.page * chunk // math.gcd(self.page, chunk)
         self.reqs: dict[str, _Req] = {}
-        self.stores: dict[int, tuple[str, int, int, np.ndarray]] = {}  # id -> (request, start, end, slots)
+        self.stores: dict[int, tuple] = {}  # id -> (request, start, end, slots as rows of pages, swa floor, state)
         self._next = 0
         self.running = 0  # requests past their lookup that vLLM has not finished: the engine has other work
         self.hits = 0  # tokens loaded from radixd (for tests and logs)
@@ -544,18 +544,20 @@ class _Scheduler:
                 for _, st, _, _ in plans:
                     st.storing = False
                 return
-        at = 0
+        firsts = pages[:, 0].tolist()  # each page's first slot: what the workers copy to (few numpy calls here:
+        at = 0  # each costs microseconds on the scheduler thread, cold after the forward; rows go to the store thread)
         for i, ((rid, st, start, end), n) in enumerate(zip(plans, need)):
-            rows = pages[at:at + n]
+            rows = pages if len(plans) == 1 else pages[at:at + n]
             heads = twins[at:at + n, 0].tolist() if twins is not None and self.swa else []
             state = int(states[i]) if self.mamba else -1
-            at += n
             self._next += 1
-            self.stores[self._next] = (rid, start, end, rows.reshape(-1), self._swa_floor(st, start, end), state)
+            floor = self._swa_floor(st, start, end) if self.swa else 0
+            self.stores[self._next] = (rid, start, end, rows, floor, state)
             st.inflight.add(self._next)
             st.planned, st.saved = end, True
             meta.stores.append((self._next, rid, [b[start // self.page:end // self.page] for b in st.blocks],
-                                rows[:, 0].tolist(), heads, state))
+                                firsts[at:at + n], heads, state))
+            at += n
 
     def _swa_floor(self, st: _Req, start: int, end: int) -> int:
         """Hybrid: the end of the last page in [start, end) whose block a sliding-window group has already let go
