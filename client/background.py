@@ -100,7 +100,7 @@ class Lookups:
 
     def submit(self, rid: Hashable, tokens: np.ndarray, ns: dict[str, str], load_back: Optional[bool] = None) -> None:
         """Look the tokens up (locking what matched); `load_back` overrides the default for this key."""
-        self._inbox.post((rid, tokens, tuple(sorted(ns.items())), self.load_back if load_back is None else load_back))
+        self._inbox.post((rid, tokens, ns, self.load_back if load_back is None else load_back))
 
     def take(self, rid: Hashable, wait: float = 0.0) -> Optional[tuple[np.ndarray, int]]:
         """The lookup's result, waiting up to `wait` seconds for it (a wait releases the GIL, so the lookup
@@ -161,7 +161,7 @@ class Lookups:
         failed_receipts: list[int] = []
         groups: dict[tuple, list] = {}
         for rid, tokens, ns, lb in batch:
-            groups.setdefault(ns, []).append((rid, tokens, lb))
+            groups.setdefault(tuple(sorted(ns.items())), []).append((rid, tokens, lb))
         for ns, items in groups.items():
             try:
                 self.rpcs += 1

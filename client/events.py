@@ -11,7 +11,7 @@ import grpc
 
 from radixd.proto import cache_pb2 as pb
 from radixd.proto import cache_pb2_grpc as pb_grpc
-from radixd.server.tree.hashes import token_block_hashes
+from radixd.server.tree.hashes import first_block_hash, token_block_hashes
 
 MEDIA = ("GPU", "CPU_PINNED")
 log = logging.getLogger("radixd.events")
@@ -177,7 +177,7 @@ class BlockIndex:
         engine makes on each request's arrival (`leading` does the same for any number of pages)."""
         if len(tokens) < self.page_size:
             return False
-        h = token_block_hashes(tokens[:self.page_size], self.page_size, cache_salt)[0]
+        h = first_block_hash(tokens, self.page_size, cache_salt)
         with self._lock:
             held = self._nodes.get(node, {})
             for m in media:

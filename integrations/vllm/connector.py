@@ -60,7 +60,7 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Collection, Optional, Sequence
 
 import numpy as np
 import torch
@@ -117,24 +117,30 @@ class RadixdWorkerMetadata(KVConnectorWorkerMetadata):
         return RadixdWorkerMetadata(self.stored | other.stored, self.failed | other.failed)
 
 
-@dataclass
 class _Req:
-    tokens: Sequence[int]  # the prompt as vLLM holds it (a list): lookups, publishes and the release take slices of
-    # it, converted to radixd's int32 on the thread that makes the call, not on the scheduler's
-    ns: dict[str, str]
-    prefix: np.ndarray = field(default_factory=lambda: EMPTY)  # radixd's hit (locked), for loads
-    swa: np.ndarray = field(default_factory=lambda: EMPTY)  # hybrid: the hit's SWA twins
-    state: int = -1  # state layers: radixd's state slot as of the hit's end (pinned by the lock)
-    local: int = 0  # vLLM's own computed tokens when matched
-    load: Optional[tuple[int, int]] = None  # (first token, tokens) to load this step
-    blocks: list[list[int]] = field(default_factory=list)  # vLLM's block ids, per KV cache group
-    planned: int = 0  # tokens whose store has been planned (published or in flight)
-    inflight: set[int] = field(default_factory=set)
-    finished: bool = False
-    storing: bool = True
-    pending: bool = False  # its lookup is still on the lookup thread
-    saved: bool = False  # a store of its blocks was planned (asynchronous saves: its blocks wait for the copies)
-    asked: float = 0.0  # when the lookup was started (a lookup older than the deadline is a miss)
+    """One request's bookkeeping (a plain class with slots: built on every arrival, where a dataclass's default
+    factories cost calls on a cache-cold scheduler thread)."""
+
+    __slots__ = ("tokens", "ns", "prefix", "swa", "state", "local", "load", "blocks", "planned", "inflight",
+                 "finished", "storing", "pending", "saved", "asked")
+
+    def __init__(self, tokens: Sequence[int], ns: dict[str, str]):
+        self.tokens = tokens  # the prompt as vLLM holds it (a list): lookups, publishes and the release take slices
+        # of it, converted to radixd's int32 on the thread that makes the call, not on the scheduler's
+        self.ns = ns
+        self.prefix: np.ndarray = EMPTY  # radixd's hit (locked), for loads
+        self.swa: np.ndarray = EMPTY  # hybrid: the hit's SWA twins
+        self.state = -1  # state layers: radixd's state slot as of the hit's end (pinned by the lock)
+        self.local = 0  # vLLM's own computed tokens when matched
+        self.load: Optional[tuple[int, int]] = None  # (first token, tokens) to load this step
+        self.blocks: list[list[int]] = []  # vLLM's block ids, per KV cache group
+        self.planned = 0  # tokens whose store has been planned (published or in flight)
+        self.inflight: set[int] = set()
+        self.finished = False
+        self.storing = True
+        self.pending = False  # its lookup is still on the lookup thread
+        self.saved = False  # a store of its blocks was planned (asynchronous saves: its blocks wait for the copies)
+        self.asked = 0.0  # when the lookup was started (a lookup older than the deadline is a miss)
 
 
 def _namespace(request: "Request") -> dict[str, str]:
@@ -194,7 +200,7 @@ class RadixdConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         t = time.perf_counter()
         meta = self._sched.build(scheduler_output)
-        self._sched.meter.step(list(scheduler_output.num_scheduled_tokens), t, self._sched)
+        self._sched.meter.step(scheduler_output.num_scheduled_tokens, t, self._sched)
         return meta
 
     def update_connector_output(self, connector_output: "KVConnectorOutput"):
@@ -314,7 +320,8 @@ class _Meter:
         return took
 
     def charge(self, name: str, rid: str, t0: float, last: bool = False) -> None:
-        spent = self.spent.get(rid, 0.0) + self._hook(name, t0)
+        took = self._hook(name, t0)  # first: the meter's own work is not the hook's
+        spent = self.spent.get(rid, 0.0) + took
         if last:
             self.spent.pop(rid, None)
             self.done.append((spent, self.waited.pop(rid, 0.0)))
@@ -324,7 +331,7 @@ class _Meter:
     def idle(self, rid: str, seconds: float) -> None:
         self.waited[rid] = self.waited.get(rid, 0.0) + seconds
 
-    def _share(self, name: str, rids: list[str], t0: float) -> None:
+    def _share(self, name: str, rids: Collection[str], t0: float) -> None:
         took = self._hook(name, t0)
         if rids:
             each = took / len(rids)
@@ -332,9 +339,9 @@ class _Meter:
                 if rid in self.spent:
                     self.spent[rid] += each
 
-    def step(self, rids: list[str], t0: float, sched: "_Scheduler") -> None:
+    def step(self, rids: Collection[str], t0: float, sched: "_Scheduler") -> None:
         self._share("build_connector_meta", rids, t0)
-        self._last = rids
+        rids = self._last = list(rids)
         now = (sched.rpcs, sched.lookups.rpcs)
         self.steps.append((len(rids), now[0] - self._rpcs[0], now[1] - self._rpcs[1]))
         self._rpcs = now
