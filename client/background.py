@@ -21,9 +21,11 @@ class Inbox:
     """Work an engine's scheduler thread hands to one of these threads, with no lock and no system call on its side
     while the thread is awake: on a cache-cold scheduler thread a Condition's notify cost about 35 us, and waking a
     sleeping thread (a futex call) 35 us more, twice the rest of a hook. The thread polls every `tick` while work
-    keeps coming and sleeps after `rest` seconds without any; a post then wakes it (that one call pays the wake)."""
+    keeps coming and sleeps after `rest` seconds without any; a post then wakes it (that one call pays the wake).
+    The tick is 5 ms: each poll takes the GIL, and against a Python-heavy CPU forward a 1 ms tick was measured
+    costing it 3%, 2 ms 0.7%, 5 ms under 0.1%. A waiter (an engine with nothing else to run) rings at once."""
 
-    def __init__(self, tick: float, rest: float = 1.0):
+    def __init__(self, tick: float = 0.005, rest: float = 1.0):
         self.tick, self.rest = tick, rest
         self.items: deque = deque()
         self._bell = threading.Lock()
@@ -89,7 +91,7 @@ class Lookups:
         self.linger = linger
         self._waiters = 0
         self._cv = threading.Condition()  # results, waiters and idleness; submissions go through the inbox
-        self._inbox = Inbox(tick=linger)  # (rid, tokens, namespace, load_back)
+        self._inbox = Inbox()  # (rid, tokens, namespace, load_back)
         self._done: dict[Hashable, tuple[np.ndarray, int]] = {}
         self._dropped: set[Hashable] = set()  # given up on while in flight: released once they land
         self._busy = False
@@ -250,7 +252,7 @@ class Stores:
         self._taken_states = 0
         self._mu = threading.Lock()
         self._cv = threading.Condition(self._mu)  # the stock and idleness; operations go through the inbox
-        self._inbox = Inbox(tick=linger or 0.002)
+        self._inbox = Inbox()
         self._held: dict[Hashable, tuple[np.ndarray, int]] = {}  # rid -> (locked prefix slots, receipt)
         self.refused: set[Hashable] = set()  # requests whose publish failed: the scheduler stops storing them
         self._stock = np.zeros((0, page), np.int64)  # held radixd pages for stores, one row each
