@@ -52,6 +52,7 @@ at 1024 tokens 1.00-1.05x the engine without a connector with it, 1.02-1.03x wit
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -75,7 +76,7 @@ from radixd.client.events import MEDIA, LocalIndex
 from radixd.client.pools import populate_in_background
 from radixd.server.config import DEFAULT_SOCKET
 
-from .layout import Geometry, geometry, load_blocks, probe_cpu_layout, save_blocks
+from .layout import CpuViews, Geometry, aligned_pages, cpu_views, geometry, load_blocks, probe_cpu_layout, save_blocks
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -668,6 +669,27 @@ def _probe_cpu_kernel(geo: Geometry, conn: RadixdConnector) -> Geometry:
     return probe_cpu_layout(geo, write, f"vLLM's CPU attention kernel '{isa}' (kv cache dtype {conn.cache_dtype})")
 
 
+class _Pairs:
+    """One group's (vLLM block, radixd page) pairs of a copy, in the forms the two copy paths take, each built once
+    when first asked for: numpy block and page numbers (None when a page is not aligned), torch blocks and slots."""
+
+    def __init__(self, blocks: Sequence[int], starts: Sequence[int], device: torch.device, block_size: int):
+        self._blocks, self._starts, self._device, self._block_size = blocks, starts, device, block_size
+
+    @functools.cached_property
+    def blocks_np(self) -> np.ndarray:
+        return np.asarray(self._blocks, dtype=np.int64)
+
+    @functools.cached_property
+    def pages(self) -> Optional[np.ndarray]:
+        return aligned_pages(self._starts, self._block_size)
+
+    @functools.cached_property
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.tensor(self._blocks, dtype=torch.long, device=self._device),
+                torch.tensor(self._starts, dtype=torch.long, device=self._device))
+
+
 class _Worker:
     """Maps radixd's pools and copies pages between them and vLLM's blocks, each layer in its own group."""
 
@@ -684,6 +706,7 @@ class _Worker:
         self._pool: Optional[ThreadPoolExecutor] = None
         self.pools = None
         self.plan: list[tuple[torch.Tensor, int, torch.Tensor, torch.Tensor, bool]] = []  # kv, group, k, v, swa
+        self.views: list[Optional[CpuViews]] = []  # per plan entry: its numpy views (a CPU vec-kernel layout)
         # state layers: (group, vLLM's conv and temporal views [blocks, ...], radixd's [slots, ...], conv transposed)
         self.states: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool]] = []
 
@@ -716,6 +739,10 @@ class _Worker:
         if dev.k_buffer[0].device != self.layers[0].device:
             raise ValueError(f"radixd connector: radixd's pool is on {dev.k_buffer[0].device}, vLLM's KV on "
                              f"{self.layers[0].device}")
+        self.views = [cpu_views(kv, self.geo, k, v) for kv, _, k, v, _ in self.plan]
+        if self.geo.layout == "cpu":
+            log.info("radixd connector: %d of %d layers copy through numpy views of the blocks (the rest: the "
+                     "general gather)", sum(x is not None for x in self.views), len(self.views))
         dv = self.layers[0].device
         self.stream = torch.cuda.Stream(device=dv) if dv.type == "cuda" else None  # copies off the compute stream
         # asynchronous stores get their own stream: a load (waited for) must not queue behind them
@@ -831,7 +858,6 @@ class _Worker:
     def _pairs(self, groups: list[list[int]], pages: list[int], twins: list[int]) -> dict:
         """(group, swa) -> (vLLM blocks, radixd page first slots), leaving out null blocks (outside a window)
         and pages without an SWA twin."""
-        dv = self.layers[0].device
         out = {}
         for _, g, _, _, swa in self.plan:
             if (g, swa) in out:
@@ -840,17 +866,25 @@ class _Worker:
             kept = [(b, p) for b, p in zip(groups[g], src) if b != 0 and p >= 0] if swa else list(zip(groups[g], src))
             if kept:
                 b, p = zip(*kept)
-                out[(g, swa)] = (torch.tensor(b, dtype=torch.long, device=dv), torch.tensor(p, dtype=torch.long, device=dv))
+                out[(g, swa)] = _Pairs(b, p, self.layers[0].device, self.geo.block_size)
         return out
+
+    def _each_layer(self, pairs: dict, load: bool) -> None:
+        """Copy every layer's pages: through the layer's numpy views where it has them, else by torch's gather."""
+        for (kv, g, k, v, swa), views in zip(self.plan, self.views):
+            pr = pairs.get((g, swa))
+            if pr is None:
+                continue
+            if views is not None and pr.pages is not None:
+                (views.load if load else views.save)(pr.blocks_np, pr.pages)
+            else:
+                blocks, starts = pr.tensors
+                (load_blocks if load else save_blocks)(kv, self.geo, blocks, k, v, starts)
 
     def load(self, meta: RadixdConnectorMetadata) -> None:
         def run() -> None:
             for groups, pages, twins, state, running in meta.loads:
-                pairs = self._pairs(groups, pages, twins)
-                for kv, g, k, v, swa in self.plan:
-                    if (g, swa) in pairs:
-                        blocks, starts = pairs[(g, swa)]
-                        load_blocks(kv, self.geo, blocks, k, v, starts)
+                self._each_layer(self._pairs(groups, pages, twins), load=True)
                 self._copy_states(groups, state, load=True, running=running)
         if meta.loads:
             self._copy(run)
@@ -860,11 +894,7 @@ class _Worker:
         have landed (the side stream on GPU, the copy thread on CPU), so the step's outputs do not wait for them."""
         def run() -> None:
             for _, _, groups, pages, twins, state in meta.stores:
-                pairs = self._pairs(groups, pages, twins)
-                for kv, g, k, v, swa in self.plan:
-                    if (g, swa) in pairs:
-                        blocks, starts = pairs[(g, swa)]
-                        save_blocks(kv, self.geo, blocks, k, v, starts)
+                self._each_layer(self._pairs(groups, pages, twins), load=False)
                 self._copy_states(groups, state, load=False)
         if not meta.stores:
             return
