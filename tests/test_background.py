@@ -1,15 +1,17 @@
 """The engines' store thread (`radixd.client.background.Stores`) against a real plain server: a request released in
 the round of its last publish is published and released by one CacheFinished; one released later takes the
-CacheUnfinished, then CacheFinished, path. Both leave the same cache, no lock and nothing held."""
+CacheUnfinished, then CacheFinished, path. Both leave the same cache, no lock and nothing held. The inbox those
+threads take work from wakes a sleeping thread on a post, and a polling one takes it with no wake at all."""
 from __future__ import annotations
 
+import threading
 import time
 import urllib.request
 
 import numpy as np
 
 from radixd.client import CacheClient
-from radixd.client.background import Lookups, Stores
+from radixd.client.background import Inbox, Lookups, Stores
 
 from .conftest import ServerProc
 
@@ -115,3 +117,38 @@ def test_the_slot_stock_grows_so_one_alloc_serves_many_stores_and_never_past_an_
             c.close()
             probe.close()
             srv.stop()
+
+
+def _consume(inbox: Inbox, got: list, done: threading.Event) -> threading.Thread:
+    def run() -> None:
+        inbox.wait(lambda: bool(inbox.items))
+        got.extend(inbox.drain())
+        done.set()
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def test_an_inbox_wakes_a_sleeping_thread_and_a_polling_one_needs_no_wake():
+    asleep = Inbox(tick=0.005, rest=0.0)  # no rest: the thread sleeps at once, until a post rings
+    got: list = []
+    done = threading.Event()
+    t = _consume(asleep, got, done)
+    deadline = time.monotonic() + 10
+    while not asleep._asleep and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert asleep._asleep and not done.is_set()
+    asleep.post("a")
+    assert done.wait(5) and got == ["a"]
+    t.join(5)
+
+    polling = Inbox(tick=0.005, rest=60.0)  # work came lately: the thread polls, a post rings nothing
+    rings: list = []
+    polling.ring = lambda: rings.append(1)  # type: ignore[method-assign]
+    got2: list = []
+    done2 = threading.Event()
+    t2 = _consume(polling, got2, done2)
+    polling.post("b")
+    assert done2.wait(5) and got2 == ["b"]
+    assert rings == [] and not polling._asleep
+    t2.join(5)
