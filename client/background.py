@@ -83,9 +83,13 @@ class Lookups:
     key; a lookup given up on is released when it lands."""
 
     def __init__(self, client: CacheClient, load_back: bool, stores: "Stores", hybrid: bool = False,
-                 linger: float = 0.001):
+                 linger: float = 0.001, hand_over: bool = False, firsts: int = 0):
         self.client, self.load_back, self.stores = client, load_back, stores
         self.hybrid = hybrid  # a hybrid model's server: results are (FULL slots, receipt, SWA twins, state slot)
+        # work done here rather than on the scheduler thread, which runs cache-cold after each forward:
+        # `hand_over` gives each landed lock to `stores` (held under the lookup's key) before its result is taken;
+        # `firsts` (a page size) ends each result with a list of its pages' first slots (what the workers copy)
+        self.hand_over, self.firsts = hand_over, firsts
         # while nobody waits on a lookup, a round waits up to `linger` for more requests (an engine adds a burst one
         # by one): one MatchPrefix for the burst instead of one each; a waiter starts the round at once
         self.linger = linger
@@ -100,9 +104,11 @@ class Lookups:
         self._thread = threading.Thread(target=self._run, name="radixd-lookups", daemon=True)
         self._thread.start()
 
-    def submit(self, rid: Hashable, tokens: np.ndarray, ns: dict[str, str], load_back: Optional[bool] = None) -> None:
-        """Look the tokens up (locking what matched); `load_back` overrides the default for this key."""
-        self._inbox.post((rid, tokens, ns, self.load_back if load_back is None else load_back))
+    def submit(self, rid: Hashable, tokens: Any, ns: dict[str, str], load_back: Optional[bool] = None,
+               upto: Optional[int] = None) -> None:
+        """Look the tokens up (locking what matched); `load_back` overrides the default for this key. With `upto`,
+        only tokens[:upto], cut on the lookup thread (tokens may grow at the end meanwhile, never change)."""
+        self._inbox.post((rid, tokens, ns, self.load_back if load_back is None else load_back, upto))
 
     def take(self, rid: Hashable, wait: float = 0.0) -> Optional[tuple[np.ndarray, int]]:
         """The lookup's result, waiting up to `wait` seconds for it (a wait releases the GIL, so the lookup
@@ -125,7 +131,9 @@ class Lookups:
             done = self._done.pop(rid, None)
             if done is None:
                 self._dropped.add(rid)
-        if done is not None:
+        if done is not None and self.hand_over:
+            self.stores.release(rid)
+        elif done is not None:
             self.stores.unlock(done[1])
 
     def _run(self) -> None:
@@ -143,6 +151,8 @@ class Lookups:
             results, failed = {}, []
             try:
                 results, failed = self._lookup(batch)
+                if self.firsts:
+                    results = {rid: res + (res[0][::self.firsts].tolist(),) for rid, res in results.items()}
             finally:
                 with self._cv:
                     late = []
@@ -150,8 +160,10 @@ class Lookups:
                         if rid in self._dropped:
                             self._dropped.discard(rid)
                             late.append(res[1])
-                        else:
-                            self._done[rid] = res
+                            continue
+                        if self.hand_over and res[1]:
+                            self.stores.hold(rid, res[0], res[1])
+                        self._done[rid] = res
                     for r in late + failed:  # queued before this thread reads idle, so a settle sees them
                         self.stores.unlock(r)
                     self._busy = False
@@ -162,8 +174,8 @@ class Lookups:
         out: dict[Hashable, tuple[np.ndarray, int]] = {}
         failed_receipts: list[int] = []
         groups: dict[tuple, list] = {}
-        for rid, tokens, ns, lb in batch:
-            groups.setdefault(tuple(sorted(ns.items())), []).append((rid, tokens, lb))
+        for rid, tokens, ns, lb, upto in batch:
+            groups.setdefault(tuple(sorted(ns.items())), []).append((rid, tokens if upto is None else tokens[:upto], lb))
         for ns, items in groups.items():
             try:
                 self.rpcs += 1
@@ -265,34 +277,33 @@ class Stores:
         self._thread = threading.Thread(target=self._run, name="radixd-stores", daemon=True)
         self._thread.start()
 
-    def _put(self, *op: Any) -> None:
-        self._inbox.post(op)
-
     def hold(self, rid: Hashable, prefix: np.ndarray, receipt: int) -> None:
-        self._put("hold", rid, prefix, receipt)
+        self._inbox.post(("hold", rid, prefix, receipt))
 
     def publish(self, rid: Hashable, tokens: np.ndarray, start: int, slots: np.ndarray, ns: dict[str, str],
                 finished: bool = False, swa_floor: int = 0, state: int = -1) -> None:
-        """Attach `slots` (the pages of tokens[start:], any shape) after the request's locked prefix:
+        """Attach `slots` (the pages of tokens[start:start + slots.size], any shape; tokens may run on: they are cut
+        here, on this thread) after the request's locked prefix:
         CacheUnfinished (the lock moves to the longer prefix), or CacheFinished when `finished` (the lock goes).
         Hybrid models: below `swa_floor` the pages have no sliding-window KV; `state` is the held slot holding the
         recurrent state as of the last token (models with state layers)."""
-        self._put("publish", rid, tokens, start, slots, ns, finished, swa_floor, state)
+        self._inbox.post(("publish", rid, tokens, start, slots, ns, finished, swa_floor, state))
 
     def release(self, rid: Hashable, tokens: Optional[np.ndarray] = None, ns: Optional[dict[str, str]] = None) -> None:
-        """Let go of the request's lock: with its tokens, as a finished request (CacheFinished over what it
-        holds: hits counted, write-through backups started, as SGLang's cache_finished_req); else Unlock."""
-        self._put("release", rid, tokens, ns)
+        """Let go of the request's lock: with its tokens (any length from what it holds on), as a finished request
+        (CacheFinished over what it holds: hits counted, write-through backups started, as SGLang's
+        cache_finished_req); else Unlock."""
+        self._inbox.post(("release", rid, tokens, ns))
 
     def unlock(self, receipt: int) -> None:
         if receipt:
-            self._put("unlock", receipt)
+            self._inbox.post(("unlock", receipt))
 
     def free(self, slots: np.ndarray, state: int = -1) -> None:
         if len(slots):
-            self._put("free", slots)
+            self._inbox.post(("free", slots))
         if state >= 0:
-            self._put("free_state", state)
+            self._inbox.post(("free_state", state))
 
     def take_pages(self, n: int, wait: float = 0.0, states: int = 0) -> Optional[Any]:
         """n stocked pages (rows of slots), or None when the stock is short (after waiting up to `wait` for
@@ -377,7 +388,8 @@ class Stores:
                         self._state_frees.append(state)
                     self.refused.add(rid)
                     continue
-                item = dict(tokens=tokens, indices=np.concatenate([prefix, slots]), prev_prefix_len=len(prefix),
+                item = dict(tokens=tokens[:start + slots.size], indices=np.concatenate([prefix, slots]),
+                            prev_prefix_len=len(prefix),
                             receipt_id=receipt, **ns)
                 if floor > len(prefix):
                     item["swa_evicted_seqlen"] = floor

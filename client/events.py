@@ -310,8 +310,8 @@ class LocalIndex:
 
     def known_miss(self, tokens: Any, cache_salt: str = "") -> bool:
         """True when radixd certainly holds nothing of `tokens` (counted in `misses`)."""
-        if not self.current() or self.index.holds_first(self.NODE, tokens, cache_salt, self.media):
-            return False
+        if self.index.holds_first(self.NODE, tokens, cache_salt, self.media) or not self.current():
+            return False  # (a hit, the common case, asks the index once)
         self.misses += 1
         return True
 

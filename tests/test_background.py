@@ -152,3 +152,57 @@ def test_an_inbox_wakes_a_sleeping_thread_and_a_polling_one_needs_no_wake():
     assert done2.wait(5) and got2 == ["b"]
     assert rings == [] and not polling._asleep
     t2.join(5)
+
+
+def test_a_handed_over_lookup_is_held_by_the_store_thread_and_cut_and_listed_on_the_lookup_thread():
+    """Lookups with `hand_over` and `firsts` (the vLLM connector's): the lookup thread cuts the tokens at `upto`,
+    lists each page's first slot, and gives the lock to the store thread, so a release there (or a drop of a
+    result never taken) lets it go; tokens beyond `upto` or a publish's end are never sent to radixd."""
+    srv = ServerProc("--num-slots", "256", "--page-size", str(PAGE))
+    c, probe = CacheClient(srv.target, name="engine"), CacheClient(srv.target, name="probe")
+    stores = Stores(c, PAGE, 16)
+    lookups = Lookups(c, False, stores, hand_over=True, firsts=PAGE)
+    stores.first = lookups
+    try:
+        prompt = list(range(500, 519))  # a list, as vLLM holds a prompt; radixd holds its first 3 pages
+        slots = c.alloc(12)
+        c.cache_finished([dict(tokens=np.asarray(prompt[:12], np.int32), indices=slots)])
+        lookups.submit("r", prompt, dict(extra_key="", cache_salt=""), upto=8)
+        res = lookups.take("r", wait=5)
+        assert res is not None and res[0].tolist() == slots[:8].tolist()  # cut at 8: two pages, not three
+        assert res[-1] == slots[:8:PAGE].tolist()
+        _settle(stores)
+        assert probe.stats()["receipts"] == 1  # locked, and held by the store thread (never handed by hand)
+        # a publish of the next page, with the whole prompt handed over: cut to its end on the store thread
+        more = stores.take_pages(1, wait=5)
+        assert more is not None
+        stores.publish("r", prompt, 8, more, {})
+        stores.release("r", prompt, {})
+        _settle(stores)
+        got = probe.match_prefix(np.asarray(prompt + [0], np.int32))
+        assert got.matched_len == 12, got  # published (a longer token list with 4 slots would have been refused)
+        assert probe.stats()["receipts"] == 0
+        more = stores.take_pages(1, wait=5)  # a page radixd does not have: [12, 16)
+        lookups.submit("s", prompt, dict(extra_key="", cache_salt=""), upto=16)
+        res = lookups.take("s", wait=5)
+        assert res is not None and len(res[0]) == 12 and res[-1] == res[0][::PAGE].tolist()
+        stores.publish("s", prompt, 12, more, {})
+        stores.release("s", prompt, {})
+        _settle(stores)
+        got = probe.match_prefix(np.asarray(prompt + [0], np.int32))
+        assert got.matched_len == 16 and got.indices[12:].tolist() == more.reshape(-1).tolist(), got
+
+        lookups.submit("dropped", prompt, dict(extra_key="", cache_salt=""), upto=16)
+        lookups.wait_idle(5)
+        _settle(stores)
+        assert probe.stats()["receipts"] == 1
+        lookups.drop("dropped")  # landed but never taken: the store thread lets its lock go
+        _settle(stores)
+        s = probe.stats()
+        assert s["receipts"] == 0 and s["held_tokens"] == stores.stocked() and probe.check() == [], s
+    finally:
+        lookups.close()
+        stores.close()
+        c.close()
+        probe.close()
+        srv.stop()

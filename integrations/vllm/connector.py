@@ -122,14 +122,15 @@ class _Req:
     """One request's bookkeeping (a plain class with slots: built on every arrival, where a dataclass's default
     factories cost calls on a cache-cold scheduler thread)."""
 
-    __slots__ = ("tokens", "ns", "prefix", "swa", "state", "local", "load", "blocks", "planned", "inflight",
-                 "finished", "storing", "pending", "saved", "asked")
+    __slots__ = ("tokens", "ns", "prefix", "firsts", "swa", "state", "local", "load", "blocks", "planned",
+                 "inflight", "finished", "storing", "pending", "saved", "asked")
 
     def __init__(self, tokens: Sequence[int], ns: dict[str, str]):
-        self.tokens = tokens  # the prompt as vLLM holds it (a list): lookups, publishes and the release take slices
-        # of it, converted to radixd's int32 on the thread that makes the call, not on the scheduler's
+        self.tokens = tokens  # the prompt as vLLM holds it (a list, which only grows: a streaming session): lookups,
+        # publishes and the release hand it over whole, and the thread that makes the call cuts and converts it
         self.ns = ns
         self.prefix: np.ndarray = EMPTY  # radixd's hit (locked), for loads
+        self.firsts: list[int] = []  # its pages' first slots (listed on the lookup thread)
         self.swa: np.ndarray = EMPTY  # hybrid: the hit's SWA twins
         self.state = -1  # state layers: radixd's state slot as of the hit's end (pinned by the lock)
         self.local = 0  # vLLM's own computed tokens when matched
@@ -144,8 +145,13 @@ class _Req:
         self.asked = 0.0  # when the lookup was started (a lookup older than the deadline is a miss)
 
 
+_PLAIN = dict(extra_key="", cache_salt="")  # most requests' namespace, shared (nothing writes to a namespace)
+
+
 def _namespace(request: "Request") -> dict[str, str]:
     lora = getattr(request, "lora_request", None)
+    if lora is None and not request.cache_salt:
+        return _PLAIN
     return dict(extra_key=lora.lora_name if lora is not None else "", cache_salt=request.cache_salt or "")
 
 
@@ -400,7 +406,8 @@ class _Scheduler:
         self.mamba = "mamba" in conn.groups  # state layers: every store carries the state as of its end
         self.background = Stores(self.client, self.page, conn.slot_stock, hybrid=self.hybrid,
                                  states=8 if self.mamba else 0, capacity=info["capacity_tokens"])
-        self.lookups = Lookups(self.client, conn.load_back and not self.hybrid, self.background, hybrid=self.hybrid)
+        self.lookups = Lookups(self.client, conn.load_back and not self.hybrid, self.background, hybrid=self.hybrid,
+                               hand_over=True, firsts=self.page)
         self.background.first = self.lookups
         self.meter = _Meter()
         self.index: Optional[LocalIndex] = None  # misses answered with no round trip (radixd with --kv-events)
@@ -422,14 +429,12 @@ class _Scheduler:
         # every whole page: what radixd has need not be stored again; with state layers only up to the last
         # loadable token, as the state radixd hands back sits exactly at the hit's end
         n = self._align(len(toks) - 1) if self.mamba else self._align(len(toks))
-        if n and self._align(len(toks) - 1) and not self._known_miss(st.tokens, st.ns):
+        index = self.index
+        if n and self._align(len(toks) - 1) and (index is None or not index.known_miss(toks, st.ns["cache_salt"])):
             st.pending, st.asked = True, time.monotonic()
-            self.lookups.submit(rid, st.tokens[:n], st.ns)
+            self.lookups.submit(rid, st.tokens, st.ns, upto=n)
         else:
             self.running += 1
-
-    def _known_miss(self, tokens: Sequence[int], ns: dict[str, str]) -> bool:
-        return self.index is not None and self.index.known_miss(tokens, ns["cache_salt"])
 
     def matched(self, request: "Request", num_computed: int) -> Optional[int]:
         """Tokens radixd holds beyond vLLM's own (never the last prompt token, which the engine computes); None
@@ -454,15 +459,13 @@ class _Scheduler:
                 self.lookups.drop(rid)
                 log.info("radixd lookup for %s took longer than %.0f ms: a miss", rid,
                          self.conn.lookup_deadline * 1e3)
-                res = (EMPTY, 0)
+                res = (EMPTY, 0, [])
             st.pending = False
             self.running += 1
-            st.prefix, receipt = res[0], res[1]
+            st.prefix, st.firsts = res[0], res[-1]  # its lock went to the store thread with the result
             if self.hybrid:
-                st.swa = res[2] if len(res) > 2 else EMPTY
-                st.state = res[3] if len(res) > 3 else -1
-            if receipt:
-                self.background.hold(rid, st.prefix, receipt)
+                st.swa = res[2] if len(res) > 3 else EMPTY
+                st.state = res[3] if len(res) > 4 else -1
             st.planned = len(st.prefix)
         st.local = num_computed
         if self.mamba and st.state < 0:  # no state to resume from: nothing is loadable
@@ -484,7 +487,7 @@ class _Scheduler:
             st.blocks = [list(b) for b in nr.block_ids]
             if st.load is not None:
                 start, n = st.load
-                pages = st.prefix[start:start + n:self.page].tolist()
+                pages = st.firsts[start // self.page:(start + n) // self.page]
                 twins = st.swa[start:start + n:self.page].tolist() if self.hybrid else []
                 running = []
                 if self.mamba:  # the block vLLM runs this step's state in (align mode: the last one it reaches)
@@ -595,7 +598,7 @@ class _Scheduler:
                     st.storing = False
                 continue
             st.inflight.discard(sid)
-            self.background.publish(rid, st.tokens[:end], start, slots, st.ns,
+            self.background.publish(rid, st.tokens, start, slots, st.ns,  # cut to `end` there
                                     swa_floor=floor, state=state)
         for rid in [rid for rid, st in self.reqs.items() if st.finished and not st.inflight]:
             self._finish(rid)
@@ -618,8 +621,7 @@ class _Scheduler:
 
     def _finish(self, rid: str) -> None:
         st = self.reqs.pop(rid)
-        n = self._align(len(st.tokens))  # a finished request: hits counted and host backups started
-        self.background.release(rid, st.tokens[:n], st.ns)
+        self.background.release(rid, st.tokens, st.ns)  # as finished: hits counted and host backups started
 
     def close(self) -> None:
         for rid in list(self.reqs):

@@ -14,6 +14,7 @@ FROZEN. External routers and stores depend on these bytes; never change them, ad
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 from typing import Optional
@@ -152,12 +153,17 @@ def block_hashes(digests: bytes) -> list[int]:
     return np.frombuffer(digests, dtype=">i8").reshape(-1, 4)[:, 0].tolist()
 
 
+@functools.lru_cache(maxsize=8)
+def _page_struct(page_size: int) -> struct.Struct:
+    return struct.Struct(f"<{page_size}I")
+
+
 def first_block_hash(tokens, page_size: int, cache_salt: str = "") -> int:
     """The block hash of the first page alone, in the fewest calls: the check an engine makes on each arriving
     request, on a scheduler thread whose caches the forward left cold (each call costs microseconds there)."""
     if type(tokens) is list and _native_chain is not None and len(tokens) >= page_size:
         try:
-            data = struct.pack(f"<{page_size}I", *tokens[:page_size])
+            data = _page_struct(page_size).pack(*tokens[:page_size])
         except struct.error as e:
             raise OverflowError(f"a token id does not fit uint32: {e}") from None
         return _HEAD.unpack_from(_native_chain(data, page_size * 4, salt_seed(cache_salt)))[0]
