@@ -268,6 +268,7 @@ class Stores:
         self._held: dict[Hashable, tuple[np.ndarray, int]] = {}  # rid -> (locked prefix slots, receipt)
         self.refused: set[Hashable] = set()  # requests whose publish failed: the scheduler stops storing them
         self._stock = np.zeros((0, page), np.int64)  # held radixd pages for stores, one row each
+        self._heads: list[int] = []  # each stocked page's first slot (listed on this thread, not the scheduler's)
         self._want = 0  # pages the stock should hold
         self._taken = 0  # pages asked for since the last refill
         self._busy = False
@@ -305,12 +306,13 @@ class Stores:
         if state >= 0:
             self._inbox.post(("free_state", state))
 
-    def take_pages(self, n: int, wait: float = 0.0, states: int = 0) -> Optional[Any]:
+    def take_pages(self, n: int, wait: float = 0.0, states: int = 0, firsts: bool = False) -> Optional[Any]:
         """n stocked pages (rows of slots), or None when the stock is short (after waiting up to `wait` for
         refills); the stock is kept at twice the most pages asked for between two refills, doubled at every
         refill while stores keep coming (at most `slot_stock_tokens`, or n when n is larger), and refilled when
         it falls to half: under a steady stream of stores one Alloc serves many requests. For a hybrid model's
-        server, (pages, their SWA twin pages, `states` state slots)."""
+        server, (pages, their SWA twin pages, `states` state slots). With `firsts`, (that, a list of the pages'
+        first slots)."""
         with self._mu:  # the plain lock (a Condition's `with` is a Python call): this runs on the scheduler thread
             self._taken += n
             self._taken_states += states
@@ -325,9 +327,13 @@ class Stores:
             got = None
             if not short:
                 got, self._stock = self._stock[:n], self._stock[n:]
+                heads = self._heads[:n]
+                del self._heads[:n]
                 if self.hybrid:
                     got = (got, self._twins[:n], self._states[:states])
                     self._twins, self._states = self._twins[n:], self._states[states:]
+                if firsts:
+                    got = (got, heads)
             if self._needs_refill():
                 self._inbox.nudge()
             return got
@@ -506,6 +512,7 @@ class Stores:
             return
         with self._cv:
             self._stock = np.concatenate([self._stock, got])
+            self._heads.extend(got[:, 0].tolist())
             if twins is not None:
                 self._twins = np.concatenate([self._twins, twins])
                 self._states = np.concatenate([self._states, states])
@@ -531,6 +538,7 @@ class Stores:
             for rid in list(self._held):
                 self._inbox.items.append(("release", rid, None, None))
             stock, self._stock, self._want = self._stock, np.zeros((0, self.page), np.int64), 0
+            self._heads = []
             self._twins = self._twins[:0]
             states, self._states, self._want_states = self._states, EMPTY, 0
             if len(stock):

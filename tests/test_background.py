@@ -182,7 +182,14 @@ def test_a_handed_over_lookup_is_held_by_the_store_thread_and_cut_and_listed_on_
         got = probe.match_prefix(np.asarray(prompt + [0], np.int32))
         assert got.matched_len == 12, got  # published (a longer token list with 4 slots would have been refused)
         assert probe.stats()["receipts"] == 0
-        more = stores.take_pages(1, wait=5)  # a page radixd does not have: [12, 16)
+        got = stores.take_pages(3, wait=5, firsts=True)  # a page radixd does not have, [12, 16), and two more
+        assert got is not None and got[1] == got[0][:, 0].tolist()  # the pages' first slots, listed beforehand
+        more, spare = got[0][:1], got[0][1:]
+        again = stores.take_pages(2, wait=5, firsts=True)  # the list goes on where the last take ended
+        assert again is not None and again[1] == again[0][:, 0].tolist()
+        assert not set(again[0].reshape(-1).tolist()) & set(got[0].reshape(-1).tolist())
+        stores.free(spare)
+        stores.free(again[0])
         lookups.submit("s", prompt, dict(extra_key="", cache_salt=""), upto=16)
         res = lookups.take("s", wait=5)
         assert res is not None and len(res[0]) == 12 and res[-1] == res[0][::PAGE].tolist()

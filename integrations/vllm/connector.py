@@ -536,10 +536,12 @@ class _Scheduler:
             return
         need = [(end - start) // self.page for _, _, start, end in plans]
         nstates = len(plans) if self.mamba else 0
-        pages = self.background.take_pages(sum(need), states=nstates)
-        twins, states = None, []
-        if pages is not None and self.hybrid:
-            pages, twins, states = pages
+        got = self.background.take_pages(sum(need), states=nstates, firsts=True)
+        pages, firsts, twins, states = None, [], None, []
+        if got is not None:
+            pages, firsts = got
+            if self.hybrid:
+                pages, twins, states = pages
         if pages is None:
             try:
                 self.rpcs += 1
@@ -550,13 +552,14 @@ class _Scheduler:
                     states = a.states
                 else:
                     pages = self.client.alloc(sum(need) * self.page).reshape(-1, self.page).astype(np.int64)
+                firsts = pages[:, 0].tolist()
             except RadixdError as e:  # radixd is full of locked pages: this step's pages are not cached there
                 log.info("radixd alloc failed (%s); not storing %d requests", e, len(plans))
                 for _, st, _, _ in plans:
                     st.storing = False
                 return
-        firsts = pages[:, 0].tolist()  # each page's first slot: what the workers copy to (few numpy calls here:
-        at = 0  # each costs microseconds on the scheduler thread, cold after the forward; rows go to the store thread)
+        at = 0  # firsts: each page's first slot, what the workers copy to (listed by the store thread: each numpy call
+        # costs microseconds on the scheduler thread, cold after the forward; rows go to the store thread as they are)
         for i, ((rid, st, start, end), n) in enumerate(zip(plans, need)):
             rows = pages if len(plans) == 1 else pages[at:at + n]
             heads = twins[at:at + n, 0].tolist() if twins is not None and self.swa else []
