@@ -4,9 +4,11 @@ CacheUnfinished, then CacheFinished, path. Both leave the same cache, no lock an
 threads take work from wakes a sleeping thread on a post, and a polling one takes it with no wake at all."""
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import urllib.request
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -37,13 +39,26 @@ def _settle(stores: Stores) -> None:
     assert stores.idle()
 
 
-def test_a_release_in_the_round_of_its_publish_is_one_cachefinished():
+@contextlib.contextmanager
+def _engine(stock: int, **lookups_kw: Any) -> Iterator[tuple[ServerProc, CacheClient, CacheClient, Stores, Lookups]]:
+    """A server, an engine's client with its store and lookup threads, and a probe client; all closed after."""
     srv = ServerProc("--num-slots", "256", "--page-size", str(PAGE))
     c, probe = CacheClient(srv.target, name="engine"), CacheClient(srv.target, name="probe")
-    stores = Stores(c, PAGE, 64)
-    lookups = Lookups(c, False, stores)
+    stores = Stores(c, PAGE, stock)
+    lookups = Lookups(c, False, stores, **lookups_kw)
     stores.first = lookups
     try:
+        yield srv, c, probe, stores, lookups
+    finally:
+        lookups.close()
+        stores.close()
+        c.close()
+        probe.close()
+        srv.stop()
+
+
+def test_a_release_in_the_round_of_its_publish_is_one_cachefinished():
+    with _engine(64) as (srv, c, probe, stores, lookups):
         base = np.arange(100, 108, dtype=np.int32)  # radixd holds its first page, locked by a lookup
         c.cache_finished([dict(tokens=base[:PAGE], indices=c.alloc(PAGE))])
         m = c.match_prefix(base, lock=True)
@@ -79,12 +94,6 @@ def test_a_release_in_the_round_of_its_publish_is_one_cachefinished():
         s = probe.stats()
         assert s["receipts"] == 0 and s["held_tokens"] == stores.stocked(), s
         assert probe.check() == []
-    finally:
-        lookups.close()
-        stores.close()
-        c.close()
-        probe.close()
-        srv.stop()
 
 
 def test_the_slot_stock_grows_so_one_alloc_serves_many_stores_and_never_past_an_eighth_of_the_server():
@@ -158,12 +167,7 @@ def test_a_handed_over_lookup_is_held_by_the_store_thread_and_cut_and_listed_on_
     """Lookups with `hand_over` and `firsts` (the vLLM connector's): the lookup thread cuts the tokens at `upto`,
     lists each page's first slot, and gives the lock to the store thread, so a release there (or a drop of a
     result never taken) lets it go; tokens beyond `upto` or a publish's end are never sent to radixd."""
-    srv = ServerProc("--num-slots", "256", "--page-size", str(PAGE))
-    c, probe = CacheClient(srv.target, name="engine"), CacheClient(srv.target, name="probe")
-    stores = Stores(c, PAGE, 16)
-    lookups = Lookups(c, False, stores, hand_over=True, firsts=PAGE)
-    stores.first = lookups
-    try:
+    with _engine(16, hand_over=True, firsts=PAGE) as (_, c, probe, stores, lookups):
         prompt = list(range(500, 519))  # a list, as vLLM holds a prompt; radixd holds its first 3 pages
         slots = c.alloc(12)
         c.cache_finished([dict(tokens=np.asarray(prompt[:12], np.int32), indices=slots)])
@@ -207,9 +211,3 @@ def test_a_handed_over_lookup_is_held_by_the_store_thread_and_cut_and_listed_on_
         _settle(stores)
         s = probe.stats()
         assert s["receipts"] == 0 and s["held_tokens"] == stores.stocked() and probe.check() == [], s
-    finally:
-        lookups.close()
-        stores.close()
-        c.close()
-        probe.close()
-        srv.stop()
