@@ -4,7 +4,7 @@ Each implementation runs in its own worker process (so memory is measured cleanl
 different interpreter (SGLang usually lives in its own venv: --sglang-python /path/to/python).
 Workloads: synthetic multi-turn conversations (page 1 and 16) and replays of ../shared/traces/*.jsonl.
 
-    python bench/tree_bench.py [--sglang-python PY] [--conversations 1000] [--trace-requests 500]
+    python bench/tree_bench.py [--sglang-python PY] [--conversations 1000] [--trace-requests 500] [--rounds 3]
                                [--write-policy write_through|write_through_selective|write_back] [--events]
                                [--heap-retain-mb MiB] [--no-prefault]
     python bench/tree_bench.py --events-cost RUNS [--publisher thread|inline|after]
@@ -21,8 +21,11 @@ With --write-policy the host tier is on: every backup the tree asks for is commi
 Beside SGLang's RadixCache it runs SGLang's UnifiedRadixCache on the seeds' compiled Rust tree core
 (`tree_core_backend="rust"`, FULL only) on the same operations: the "x rust" column.
 
+Each round runs every implementation on a workload back to back (their order turned each round), so each ratio
+compares runs taken seconds apart; a workload's ratio is the median of its rounds' ratios.
+ops/s is the mean op time less the timer's own floor (an empty timed interval, measured by each worker).
 Last line: RESULT insert_x=.. match_x=.. lock_x=.. evict_x=.. mem_x=.. and the same against Rust as *_x_rust, each
-the worst ratio over the workloads (radixd ops/s over the reference's; mem: radixd's bytes over the reference's)
+the worst workload's ratio (radixd ops/s over the reference's; mem: radixd's bytes over the reference's)
 """
 from __future__ import annotations
 
@@ -352,6 +355,7 @@ def run_worker(impl_name: str, only: str, args) -> dict:
                 impl.after()
         pub_pages, pub_ns = impl.publish_done()
         out[wname] = {"times": {k: v for k, v in times.items() if v}, "mem_bytes": mem, "cached": cached,
+                      "timer_ns": timer_floor(),
                       "publish_ns": pub_ns, "publish_pages": pub_pages, "cpu": cpu}
     return out
 
@@ -410,10 +414,21 @@ def events_instructions(args, base: list[str]) -> None:
     print(f"RESULT events_instructions_x={worst:.3f}")
 
 
-def summarize(ns: list[int]) -> dict:
+def timer_floor(n: int = 20000) -> float:
+    """Mean ns an empty timed interval reads (two perf_counter_ns calls and a list append, as every timed op pays):
+    about 140-190 ns on this VM, 15% of a 1 us lock+unlock. It is no part of either implementation's work."""
+    pc, t = time.perf_counter_ns, []
+    for _ in range(n):
+        t0 = pc()
+        t.append(pc() - t0)
+    return float(np.mean(t))
+
+
+def summarize(ns: list[int], floor_ns: float = 0.0) -> dict:
+    """ops/s from the mean op time less the timer's floor (the percentiles are as read)."""
     a = np.array(ns, dtype=np.float64) / 1e3
-    return {"ops_s": 1e6 / a.mean(), "p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99)),
-            "n": len(a)}
+    return {"ops_s": 1e6 / max(a.mean() - floor_ns / 1e3, 1e-3), "p50": float(np.percentile(a, 50)),
+            "p99": float(np.percentile(a, 99)), "n": len(a)}
 
 
 def find_sglang_python(explicit: str | None) -> str | None:
@@ -495,6 +510,8 @@ def main() -> None:
     ap.add_argument("--sglang-python", help="interpreter that can import sglang (default: auto-detect)")
     ap.add_argument("--conversations", type=int, default=1000)
     ap.add_argument("--trace-requests", type=int, default=500)
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="rounds of every implementation on every workload; the ratios are medians over them")
     ap.add_argument("--write-policy", choices=["write_through", "write_through_selective", "write_back"],
                     help="run radixd with the host tier on (backups committed and finished inline, no copies)")
     ap.add_argument("--events", action="store_true", help="KV events on in both caches (drained after each op)")
@@ -539,50 +556,70 @@ def main() -> None:
         base += ["--write-policy", args.write_policy]
     if args.events:
         base += ["--events"]
-    results: dict[str, dict] = {}
     sgl = find_sglang_python(args.sglang_python)
     if sgl is None:
         print("SGLang is not importable: printing radixd's numbers only (see shared/peers/README.md)")
-    for impl, py in (("radixd", sys.executable), ("sglang", sgl), ("sglang-rust", sgl)):
-        if py is None:
-            continue
+    impls = [(i, py) for i, py in (("radixd", sys.executable), ("sglang", sgl), ("sglang-rust", sgl)) if py]
+    rounds: list[dict[str, dict]] = []
+    for rnd in range(args.rounds):
+        results: dict[str, dict] = {}
         for wname, _, _ in workloads(args):
-            r = subprocess.run([py, *base, "--worker", impl, "--workload", wname], capture_output=True, text=True)
-            if r.returncode:
-                sys.exit(f"{impl} worker failed on {wname}:\n{r.stderr[-3000:]}")
-            results.setdefault(impl, {}).update(json.loads(r.stdout.strip().splitlines()[-1]))
-    refs = [r for r in ("sglang", "sglang-rust") if r in results]
+            # each workload's implementations back to back, their order turned each round: this machine's speed
+            # drifts over minutes, and a ratio of runs taken seconds apart cancels most of the drift
+            k = rnd % len(impls)
+            for impl, py in impls[k:] + impls[:k]:
+                r = subprocess.run([py, *base, "--worker", impl, "--workload", wname], capture_output=True, text=True)
+                if r.returncode:
+                    sys.exit(f"{impl} worker failed on {wname}:\n{r.stderr[-3000:]}")
+                results.setdefault(impl, {}).update(json.loads(r.stdout.strip().splitlines()[-1]))
+        rounds.append(results)
+    report(rounds, args)
+
+
+def report(rounds: list[dict[str, dict]], args) -> None:
+    """Print each workload's ops and memory (the median round) and the RESULT line: per phase, the worst workload's
+    median over the rounds of radixd's ops/s over the reference's."""
+    refs = [r for r in ("sglang", "sglang-rust") if r in rounds[0]]
     print(f"every worker keeps {args.heap_retain_mb} MiB of freed heap, " +
           ("faulted in at start (radixd serve --heap-retain-mb N --prefault)" if args.prefault else
-           "cold (radixd serve --heap-retain-mb N, no --prefault)"))
+           "cold (radixd serve --heap-retain-mb N, no --prefault)") +
+          f"; {len(rounds)} rounds, each implementation once per workload per round (medians over the rounds)")
+    floors = [w["timer_ns"] for res in rounds for impl in res.values() for w in impl.values()]
+    print(f"ops/s: each worker's mean op time less its timer floor (an empty timed interval: "
+          f"{min(floors):.0f}-{max(floors):.0f} ns); p50/p99 as read")
     ratios: dict[str, dict[str, list[float]]] = {r: {"insert": [], "match": [], "lock": [], "evict": [], "mem": []}
                                                  for r in refs}
+    spread: dict[str, dict[str, list[tuple[float, float]]]] = {r: {k: [] for k in ratios[r]} for r in refs}
     print(f"{'workload':22} {'op':12} {'impl':11} {'ops/s':>11} {'p50 us':>9} {'p99 us':>9}   {'x sglang':>8} "
-          f"{'x rust':>8}")
-    for wname in results["radixd"]:
+          f"{'x rust':>8}   (x: median over rounds [min-max])")
+    for wname in rounds[0]["radixd"]:
         for op in ("insert", "match_cont", "match_new", "lock_unlock", "evict"):
-            row = {}
-            for impl in results:
-                t = results[impl][wname]["times"].get(op)
-                if not t:
-                    continue
-                row[impl] = s = summarize(t)
-                cells = []
-                for ref in ("sglang", "sglang-rust"):
-                    rt = results.get(ref, {}).get(wname, {}).get("times", {}).get(op)
-                    cells.append(f"{s['ops_s'] / summarize(rt)['ops_s']:8.2f}" if impl == "radixd" and rt else "")
-                print(f"{wname:22} {op:12} {impl:11} {s['ops_s']:11.0f} {s['p50']:9.1f} {s['p99']:9.1f}   "
-                      f"{cells[0]:>8} {cells[1]:>8}")
+            per_round = []
+            for res in rounds:
+                per_round.append({impl: summarize(res[impl][wname]["times"][op], res[impl][wname]["timer_ns"])
+                                  for impl in res if res[impl][wname]["times"].get(op)})
+            if "radixd" not in per_round[0]:
+                continue
             key = {"insert": "insert", "match_cont": "match", "lock_unlock": "lock", "evict": "evict"}.get(op)
-            for ref in refs:
-                if key and ref in row and "radixd" in row:
-                    ratios[ref][key].append(row["radixd"]["ops_s"] / row[ref]["ops_s"])
-        for impl in results:
-            w = results[impl][wname]
+            cells = {}
+            for ref in ("sglang", "sglang-rust"):
+                xs = [row["radixd"]["ops_s"] / row[ref]["ops_s"] for row in per_round if ref in row]
+                if xs:
+                    cells[ref] = f"{float(np.median(xs)):5.2f} [{min(xs):.2f}-{max(xs):.2f}]"
+                    if key:
+                        ratios[ref][key].append(float(np.median(xs)))
+                        spread[ref][key].append((min(xs), max(xs)))
+            for impl in per_round[0]:
+                med = lambda f: float(np.median([row[impl][f] for row in per_round if impl in row]))  # noqa: E731
+                extra = f"   {cells.get('sglang', ''):>18} {cells.get('sglang-rust', ''):>18}" if impl == "radixd" \
+                    else ""
+                print(f"{wname:22} {op:12} {impl:11} {med('ops_s'):11.0f} {med('p50'):9.1f} {med('p99'):9.1f}{extra}")
+        for impl in rounds[0]:
+            w = rounds[0][impl][wname]  # memory does not depend on the machine's speed: the first round's
             per_m = w["mem_bytes"] / max(w["cached"], 1) * 1e6 / 2**20
             print(f"{wname:22} {'memory':12} {impl:11} {per_m:8.1f} MiB per 1M cached tokens ({w['cached']} tokens)")
         for ref in refs:
-            m = [results[i][wname]["mem_bytes"] / max(results[i][wname]["cached"], 1) for i in ("radixd", ref)]
+            m = [rounds[0][i][wname]["mem_bytes"] / max(rounds[0][i][wname]["cached"], 1) for i in ("radixd", ref)]
             ratios[ref]["mem"].append(m[0] / m[1])
     # the worst workload per phase: a goal holds when every workload meets it
     worst = {ref: {k: (max(v) if k == "mem" else min(v)) if v else float("nan") for k, v in r.items()}
@@ -593,6 +630,7 @@ def main() -> None:
                else ""))
     else:
         print("RESULT insert_x=nan match_x=nan evict_x=nan mem_x=nan")
+
 
 if __name__ == "__main__":
     main()

@@ -81,6 +81,30 @@ def test_native_and_python_walks_agree_step_by_step(page, policy, events):
     assert paths["match_slots"] and paths["node_slots"] and paths["counter_slots"], paths
 
 
+@pytest.mark.parametrize("page", [1, 16])
+def test_native_long_leaves_keep_every_byte(page):
+    """A new leaf of 4096 tokens or more is written with streaming stores: at every offset and length (the copy's
+    unaligned head and tail), its key and slots equal the Python reference's and read back exactly."""
+    rng = np.random.default_rng(page)
+    pair = [RadixTree(page_size=page, native=n) for n in (True, False)]
+    base = rng.integers(0, 1 << 31, 20000, dtype=np.int64).astype(np.int32)
+    slot = 0
+    for cut, extra in [(0, 4096), (4096, 4097), (4096 + 3 * page, 5000), (0, 16384 + 7 * page), (13, 4999)]:
+        toks = np.concatenate([base[:cut], rng.integers(0, 1 << 31, extra, dtype=np.int64).astype(np.int32)])
+        vals = np.arange(slot, slot + len(toks), dtype=np.int32) * 3 + 1
+        slot += len(toks)
+        out = [t.insert(toks, vals) for t in pair]
+        assert [(o.prefix_len, o.adopted_len, o.duplicates.tolist()) for o in out] == \
+            [(o.prefix_len, o.adopted_len, o.duplicates.tolist()) for o in out[::-1]]
+        aligned = len(toks) - len(toks) % page
+        got = [t.match_prefix(toks) for t in pair]
+        kept = np.concatenate([o.duplicates for o in out[:1]] + [vals[out[0].prefix_len:aligned]])
+        assert got[0].indices.tolist() == got[1].indices.tolist()
+        assert got[0].indices[out[0].prefix_len:].tolist() == kept[len(out[0].duplicates):].tolist()
+        assert snapshot(pair[0]) == snapshot(pair[1])
+        assert pair[0].check() == []
+
+
 def test_native_lock_walks_refuse_bad_arguments():
     t = RadixTree(page_size=1)
     t.insert([1, 2, 3], np.arange(3, dtype=np.int32))

@@ -38,6 +38,9 @@
 #include <Python.h>
 #include <string.h>
 #include <structmember.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 static PyObject *s_counters, *s_clock, *s_tick, *s_leaves, *s_hleaves, *s_heap, *s_hheap, *s_heap_seq, *s_key_of,
     *s_compact, *s_dver, *s_hver, *s_handle, *s_nodes, *s_evictable, *s_ev, *s_stored, *s_page_b, *s_protected,
@@ -1344,14 +1347,41 @@ static Layout icounters_layout = {icounter_names, 1};
 
 /* A new leaf under parent (RadixTree.insert's tail, device only): id minted, the next tick, in parent's children, the
  * node index and the D-leaf set; parent leaves that set; evictable tokens grow; a STORED event when events are on. */
+/* A new bytes object holding len bytes of src. A long one (a new leaf's key and slots: tens of KB a prompt) is written
+ * with streaming stores: its memory is fresh, so a plain copy would first read every line of it from RAM. */
+static PyObject *bytes_cold(const char *src, Py_ssize_t len) {
+#if defined(__SSE2__)
+    if (len >= 16384) {
+        PyObject *b = PyBytes_FromStringAndSize(NULL, len);
+        if (b == NULL)
+            return NULL;
+        char *dst = PyBytes_AS_STRING(b);
+        Py_ssize_t head = (Py_ssize_t)((16 - ((uintptr_t)dst & 15)) & 15), i = head;
+        memcpy(dst, src, (size_t)head);
+        for (; i + 64 <= len; i += 64) {
+            __m128i a = _mm_loadu_si128((const __m128i *)(src + i)), c = _mm_loadu_si128((const __m128i *)(src + i + 16)),
+                    d = _mm_loadu_si128((const __m128i *)(src + i + 32)), e = _mm_loadu_si128((const __m128i *)(src + i + 48));
+            _mm_stream_si128((__m128i *)(dst + i), a);
+            _mm_stream_si128((__m128i *)(dst + i + 16), c);
+            _mm_stream_si128((__m128i *)(dst + i + 32), d);
+            _mm_stream_si128((__m128i *)(dst + i + 48), e);
+        }
+        memcpy(dst + i, src + i, (size_t)(len - i));
+        _mm_sfence();
+        return b;
+    }
+#endif
+    return PyBytes_FromStringAndSize(src, len);
+}
+
 static PyObject *new_leaf(PyObject *tree, PyObject *parent, const char *kb, const char *vb, Py_ssize_t len,
                           Py_ssize_t pb, Py_ssize_t tick, PyObject *priority, int chunked, PyObject *ns,
                           PyObject *ctx) {
     Py_ssize_t ver;
     PyObject *id = tree_mint(tree), *key = NULL, *val = NULL, *leaf = NULL, *first = NULL, *children = NULL,
              *nodes = NULL, *leaves = NULL, *ev = NULL, *out = NULL;
-    if (id == NULL || (key = PyBytes_FromStringAndSize(kb, len)) == NULL ||
-        (val = PyBytes_FromStringAndSize(vb, len)) == NULL || (first = PyBytes_FromStringAndSize(kb, pb)) == NULL)
+    if (id == NULL || (key = bytes_cold(kb, len)) == NULL || (val = bytes_cold(vb, len)) == NULL ||
+        (first = PyBytes_FromStringAndSize(kb, pb)) == NULL)
         goto done;
     PyObject *targs[7] = {id, parent, key, val, NULL, priority, ns};
     if ((targs[4] = PyLong_FromSsize_t(tick)) == NULL)
