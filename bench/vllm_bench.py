@@ -21,7 +21,7 @@ for a lookup while the engine had nothing else to run ("busy": what it kept the 
 and radixd calls per step made on the scheduler thread (an Alloc when the slot stock runs short) and on the
 connector's lookup thread (MatchPrefix, LoadBack).
 
-    python bench/vllm_bench.py [--lengths 512,1024,2048,4096] [--repeat 20] [--batches 1,16,128]
+    python bench/vllm_bench.py [--lengths 512,1024,2048,4096] [--repeat 60] [--batches 1,16,128]
                                [--arch nemotron-h]
 
 CPU layout (--cpus): "split" (the default) runs every engine, C included, with one OpenMP thread fewer than the
@@ -173,7 +173,7 @@ def _await_stored(client: CacheClient, prompt: list[int], block: int, hybrid: bo
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", default="512,1024,2048,4096", help="prompt lengths for time to first token ('' skips)")
-    ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--repeat", type=int, default=60)
     ap.add_argument("--batches", default="1,16,128", help="batch sizes for the scheduler-side costs ('' skips)")
     ap.add_argument("--batch-len", type=int, default=256)
     ap.add_argument("--batch-prompts", type=int, default=256)
