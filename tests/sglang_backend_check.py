@@ -134,6 +134,23 @@ def settled(c: CacheClient, *engines: Engine) -> dict:
     return s
 
 
+def radixd_holds_the_forwards_kv(c: CacheClient, tokens: list[int]) -> None:
+    """radixd's own pool holds, at the slots it matches for `tokens`, each token's K and V as Engine.prefill's
+    "forward" wrote them (every head and dim): the ground truth, not a round trip back through an engine."""
+    pools = c.map_pools()
+    try:
+        m = c.match_prefix(tokens)
+        assert m.matched_len == len(tokens), (m.matched_len, len(tokens))
+        idx = torch.from_numpy(m.indices.astype("int64"))
+        toks = torch.tensor(tokens, dtype=torch.float32)[:, None, None]
+        for layer in range(LAYERS):
+            k, v = pools.device[0].k_buffer[layer][idx], pools.device[0].v_buffer[layer][idx]
+            assert torch.equal(k, (toks * 10 + layer).expand_as(k)), f"radixd's K of layer {layer} is not the forward's"
+            assert torch.equal(v, -(toks * 10 + layer).expand_as(v)), f"radixd's V of layer {layer} is not the forward's"
+    finally:
+        pools.close()
+
+
 def scenario_two_engines_share_pages_byte_for_byte(c: CacheClient) -> None:
     a, b = Engine(), Engine()
     prompt = [random.randrange(1, 999) for _ in range(42)]
@@ -144,6 +161,7 @@ def scenario_two_engines_share_pages_byte_for_byte(c: CacheClient) -> None:
     a.release(ra)
     assert settled(c, a, b)["cached_tokens"] == 40  # the whole pages of the finished request
     assert a.cache.rpcs <= 1  # on the scheduler thread: an Alloc while the slot stock is empty, nothing else
+    radixd_holds_the_forwards_kv(c, prompt[:40])  # what radixd holds, against what "the forward" wrote
     rb = b.request("b1", prompt + [5, 6, 7])
     hit, loaded = b.prefill(rb, 45, finish=True)
     assert (hit, loaded) == (0, 40), (hit, loaded)
