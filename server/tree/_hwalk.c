@@ -1345,8 +1345,6 @@ static Layout insert_layout = {insert_names, 7};
 static const char *const icounter_names[] = {"inserted_tokens"};
 static Layout icounters_layout = {icounter_names, 1};
 
-/* A new leaf under parent (RadixTree.insert's tail, device only): id minted, the next tick, in parent's children, the
- * node index and the D-leaf set; parent leaves that set; evictable tokens grow; a STORED event when events are on. */
 /* A new bytes object holding len bytes of src. A long one (a new leaf's key and slots: tens of KB a prompt) is written
  * with streaming stores: its memory is fresh, so a plain copy would first read every line of it from RAM. */
 static PyObject *bytes_cold(const char *src, Py_ssize_t len) {
@@ -1374,6 +1372,8 @@ static PyObject *bytes_cold(const char *src, Py_ssize_t len) {
     return PyBytes_FromStringAndSize(src, len);
 }
 
+/* A new leaf under parent (RadixTree.insert's tail, device only): id minted, the next tick, in parent's children, the
+ * node index and the D-leaf set; parent leaves that set; evictable tokens grow; a STORED event when events are on. */
 static PyObject *new_leaf(PyObject *tree, PyObject *parent, const char *kb, const char *vb, Py_ssize_t len,
                           Py_ssize_t pb, Py_ssize_t tick, PyObject *priority, int chunked, PyObject *ns,
                           PyObject *ctx) {
