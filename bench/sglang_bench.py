@@ -3,13 +3,15 @@ and in radixd calls per scheduler step, at batch sizes 1, 16 and 128, against SG
 the same operations in the same run.
 
 SGLang's scheduler does not run on CPU here, so its calls are driven as it makes them, on SGLang 0.5.23's own
-cache classes and CPU KV pools (in `.venv-sglang`, built by .ci/run; or RADIXD_SGLANG_PYTHON): a step queues
---batch requests (the backend's `queued`, as the wrapped `_add_request_to_queue`), then matches each
-(match_prefix, init_load_back on a radixd hit), allocates, writes its KV ("the forward", not timed), checkpoints
-it finished and releases it. Timed: every cache call of a request (a step-wide call's time shared by its
-requests). Two modes: "miss" (radixd cold: every request stores its pages) and "hit" (a fresh engine on the
-same prompts: every request loads them from radixd). RPCs per step: on the scheduler thread, and on the
-backend's lookup and store threads.
+cache classes and CPU KV pools (in `.venv-sglang`, built by .ci/run; or RADIXD_SGLANG_PYTHON), in the order of
+SGLang's scheduler loop, through the two scheduler methods the backend hooks: a step queues --batch requests
+(`_add_request_to_queue`: the backend's `queued`), forms the batch (match_prefix, init_load_back on a radixd hit,
+slots), runs "the forward" (not timed: it writes each request's KV) and processes its results
+(`process_batch_result`: each request checkpointed finished and released, then the backend's `end_step`).
+Timed: every cache call of a request (a step-wide call's time shared by its requests). Two modes: "miss" (radixd
+cold: every request stores its pages) and "hit" (a fresh engine on the same prompts: every request loads them
+from radixd). RPCs per step: on the scheduler thread, and on the backend's lookup and store threads (after each
+step, untimed, the bench lets those threads finish the step's round, as they would during the next forward).
 
     python bench/sglang_bench.py [--batches 1,16,128] [--prompts 256] [--length 256] [--page 16] [--events on|off]
 
@@ -52,7 +54,7 @@ def engine_side(target: str, batch: int, prompts: int, length: int, page: int) -
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
     from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
-    from radixd.sglang.backend import RadixdRadixCache
+    from radixd.sglang.backend import RadixdRadixCache, hook_scheduler
 
     rng = random.Random(5)
     texts = [array("q", [rng.randrange(1, 30000) for _ in range(length)]) for _ in range(prompts)]
@@ -66,22 +68,33 @@ def engine_side(target: str, batch: int, prompts: int, length: int, page: int) -
         params = CacheInitParams(disable=False, req_to_token_pool=r2t, token_to_kv_pool_allocator=alloc, page_size=page)
         return (RadixdRadixCache(params, target=target) if backend else RadixCache(params)), r2t, kv, alloc
 
+    class Scheduler:
+        """The two scheduler methods the backend hooks (as `factory` does inside SGLang's Scheduler)."""
+
+        def _add_request_to_queue(self, req) -> None:
+            pass
+
+        def process_batch_result(self, results) -> None:
+            results()
+
     def run(backend: bool, tag: str) -> dict:
         cache, r2t, kv, alloc = build(backend)
+        sched = Scheduler()
+        if backend:
+            hook_scheduler(sched, cache)
         spent: list[float] = []
         steps: list[tuple[int, int, int]] = []
-        phases = dict(queued=0.0, match=0.0, load_back=0.0, checkpoint=0.0, release=0.0, evict=0.0)
+        phases = dict(queued=0.0, match=0.0, load_back=0.0, checkpoint=0.0, release=0.0, evict=0.0, end_step=0.0)
         for g in range(0, prompts, batch):
             reqs = [Req(f"{tag}{g + i}", texts[g + i], Kv(i + 1)) for i in range(min(batch, prompts - g))]
             before = (getattr(cache, "rpcs", 0), *((cache.lookups.rpcs, cache.stores.rpcs) if backend else (0, 0)))
             times = [0.0] * len(reqs)
             t = time.perf_counter()
-            if backend:
-                for r in reqs:
-                    cache.queued(r)
+            for r in reqs:  # the step's new requests arrive
+                sched._add_request_to_queue(r)
             share = (time.perf_counter() - t) / len(reqs)
             phases["queued"] += time.perf_counter() - t
-            for i, r in enumerate(reqs):
+            for i, r in enumerate(reqs):  # the step's batch is formed: each request matched, given slots
                 t = time.perf_counter()
                 ids = r.full_untruncated_fill_ids
                 key = RadixKey(ids, None, limit=len(ids) - 1)
@@ -108,26 +121,44 @@ def engine_side(target: str, batch: int, prompts: int, length: int, page: int) -
                 new = new[:n - have]
                 r2t.req_to_token[r.kv.req_pool_idx, :have] = prefix.to(torch.int32)
                 r2t.req_to_token[r.kv.req_pool_idx, have:n] = new.to(torch.int32)
-                for layer in range(LAYERS):  # "the forward"
+                r.kv.cache_protected_len, r.kv.kv_committed_len, r.last_node, r.lock = have, n, node, lock
+            for r in reqs:  # "the forward" (not timed)
+                row = r2t.req_to_token[r.kv.req_pool_idx]
+                new = row[r.kv.cache_protected_len:r.kv.kv_committed_len].to(torch.int64)
+                for layer in range(LAYERS):
                     kv.k_buffer[layer][new] = 1.0
                     kv.v_buffer[layer][new] = 2.0
-                r.kv.cache_protected_len, r.kv.kv_committed_len, r.last_node, r.lock, r.done = have, n, node, lock, True
-                t = time.perf_counter()
-                cache.checkpoint(r, up_to=n)
-                t1 = time.perf_counter()
-                phases["checkpoint"] += t1 - t
-                cache.unlock(r.lock)
-                cache.on_release(r, checkpointed=True)
-                phases["release"] += time.perf_counter() - t1
-                times[i] += time.perf_counter() - t
-                tail = r2t.req_to_token[r.kv.req_pool_idx, r.kv.cache_protected_len:n].to(torch.int64)
-                if tail.numel():
-                    alloc.free(tail)
+                r.done = True
+
+            inside = [0.0]
+
+            def results() -> None:  # each request finished: checkpointed and released
+                t0 = time.perf_counter()
+                for i, r in enumerate(reqs):
+                    n = r.kv.kv_committed_len
+                    t = time.perf_counter()
+                    cache.checkpoint(r, up_to=n)
+                    t1 = time.perf_counter()
+                    phases["checkpoint"] += t1 - t
+                    cache.unlock(r.lock)
+                    cache.on_release(r, checkpointed=True)
+                    phases["release"] += time.perf_counter() - t1
+                    times[i] += time.perf_counter() - t
+                    tail = r2t.req_to_token[r.kv.req_pool_idx, r.kv.cache_protected_len:n].to(torch.int64)
+                    if tail.numel():
+                        alloc.free(tail)
+                inside[0] = time.perf_counter() - t0
+            t = time.perf_counter()
+            sched.process_batch_result(results)  # (hooked: the step's end follows)
+            rest = time.perf_counter() - t - inside[0]
+            phases["end_step"] += rest
+            share += rest / len(reqs)
             spent += [x + share for x in times]
+            if backend:  # (not timed) the step's round done before the next step, as during a GPU forward of
+                cache.lookups.wait_idle(1.0)  # this size: each step's calls are counted in it
+                cache.stores.wait_idle(1.0)
             after = (getattr(cache, "rpcs", 0), *((cache.lookups.rpcs, cache.stores.rpcs) if backend else (0, 0)))
             steps.append(tuple(a - b for a, b in zip(after, before)))
-            if backend:
-                cache.check_hicache_events()
             cache.evict(EvictParams(num_tokens=cache.evictable_size()))  # room for the next step's prompts
         loaded = getattr(cache, "loaded_tokens", 0)
         if backend:
@@ -168,12 +199,13 @@ def main() -> None:
     print(f"{'batch':>5} {'mode':>5} {'p50 us':>8} {'p99 us':>8} {'SGLang alone p50':>16} {'extra p50':>9} "
           f"{'rpcs/step max':>13} {'mean':>5} {'background rpcs/step max':>24} {'mean':>5} {'loaded':>7}")
     for batch in [int(x) for x in args.batches.split(",")]:
-        srv = ServerProc("--num-slots", str(4 * args.prompts * (args.length + args.page)), "--page-size",
+        prompts = max(args.prompts, 4 * batch)  # several steps at every batch size
+        srv = ServerProc("--num-slots", str(3 * prompts * (args.length + args.page)), "--page-size",
                          str(args.page), "--layers", str(LAYERS), "--kv-heads", str(HEADS), "--head-dim", str(DIM),
                          "--dtype", "float32", *(("--kv-events",) if args.events == "on" else ()))
         try:
             r = subprocess.run([py, __file__, "--engine", srv.target, "--batches", str(batch), "--prompts",
-                                str(args.prompts), "--length", str(args.length), "--page", str(args.page)],
+                                str(prompts), "--length", str(args.length), "--page", str(args.page)],
                                capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ""}, timeout=1800)
         finally:
             srv.stop()

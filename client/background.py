@@ -54,7 +54,7 @@ class Inbox:
         """The thread's side: until ready(), polling each tick while work came within `rest`, else asleep until rung
         (a post before `_asleep` is set is seen by the check after it; one after it rings)."""
         while not ready():
-            if time.monotonic() - self._last < self.rest:
+            if time.monotonic() - self._last < self.rest or self.items:  # (work held back polls, never sleeps)
                 self._bell.acquire(timeout=self.tick)
                 continue
             self._asleep = True
@@ -275,6 +275,12 @@ class Stores:
         self._stop = False
         self.rpcs = 0
         self.first: Optional[Lookups] = None  # lookups run before this thread's calls
+        # `stepped`: the engine calls `flush` at the end of each scheduler step, and a round (with its calls) runs
+        # then, for all of the step's work, rather than each tick; work left with no step end (an idle engine)
+        # goes after `max_wait`
+        self.stepped, self.max_wait = False, 0.5
+        self._flush = False
+        self._since: Optional[float] = None
         self._thread = threading.Thread(target=self._run, name="radixd-stores", daemon=True)
         self._thread.start()
 
@@ -282,13 +288,15 @@ class Stores:
         self._inbox.post(("hold", rid, prefix, receipt))
 
     def publish(self, rid: Hashable, tokens: np.ndarray, start: int, slots: np.ndarray, ns: dict[str, str],
-                finished: bool = False, swa_floor: int = 0, state: int = -1) -> None:
+                finished: bool = False, swa_floor: int = 0, state: int = -1,
+                copy: Optional[Callable[[], bool]] = None) -> None:
         """Attach `slots` (the pages of tokens[start:start + slots.size], any shape; tokens may run on: they are cut
         here, on this thread) after the request's locked prefix:
         CacheUnfinished (the lock moves to the longer prefix), or CacheFinished when `finished` (the lock goes).
         Hybrid models: below `swa_floor` the pages have no sliding-window KV; `state` is the held slot holding the
-        recurrent state as of the last token (models with state layers)."""
-        self._inbox.post(("publish", rid, tokens, start, slots, ns, finished, swa_floor, state))
+        recurrent state as of the last token (models with state layers). `copy` writes the pages' KV, here, before
+        any call of the round (it must not raise); False: they are not kept (and a finished request's lock goes)."""
+        self._inbox.post(("publish", rid, tokens, start, slots, ns, finished, swa_floor, state, copy))
 
     def release(self, rid: Hashable, tokens: Optional[np.ndarray] = None, ns: Optional[dict[str, str]] = None) -> None:
         """Let go of the request's lock: with its tokens (any length from what it holds on), as a finished request
@@ -342,19 +350,41 @@ class Stores:
         return (self._want > 0 and len(self._stock) <= self._want // 2) or \
             (self._want_states > 0 and len(self._states) <= self._want_states // 2)
 
+    def flush(self) -> None:
+        """The engine's scheduler step ended: its work goes to radixd in one round now (`stepped`)."""
+        if self._inbox.items:  # (none: nothing to flush, and no flag left over for the next step's first post)
+            self._flush = True
+            self._inbox.nudge()
+
+    def _due(self) -> bool:
+        """Whether the queued work goes now (stepped: at a step's end, or `max_wait` after it came)."""
+        if not self._inbox.items:
+            self._since = None
+            return self._stop or self._flush and not self.stepped
+        if not self.stepped or self._flush or self._stop:
+            return True
+        now = time.monotonic()
+        if self._since is None:
+            self._since = now
+        return now - self._since >= self.max_wait
+
     def _run(self) -> None:
         inbox = self._inbox
         while True:
-            inbox.wait(lambda: bool(inbox.items) or self._stop or self._needs_refill())
+            inbox.wait(lambda: self._due() or self._needs_refill())
             if self._stop and not inbox.items:
                 return
-            if self.linger and not self._stop:  # let a step's worth of publishes gather into one call
+            due = self._due()  # else a refill alone: the step's work waits for its end
+            if due and self.linger and not self._stop and not self.stepped:  # a step's publishes into one call
                 time.sleep(self.linger)
-            if self.first is not None:
+            if due and self.first is not None:
                 self.first.wait_idle(0.05)
             with self._cv:
                 self._busy = True  # before the queue empties: idle() never sees neither
-                ops = inbox.drain()
+                ops = []
+                if due:
+                    self._flush, self._since = False, None
+                    ops = inbox.drain()
             try:
                 self._round(ops)
                 self._refill()
@@ -370,6 +400,7 @@ class Stores:
         unlocks: list[int] = []
         frees: list[np.ndarray] = []
         self._state_frees: list[int] = []
+        copied = {id(op): op[9]() for op in ops if op[0] == "publish" and op[9] is not None}
         for op in ops:
             kind, rid = op[0], op[1]
             if kind == "release" and not (self.hybrid or self.states_max):
@@ -385,14 +416,20 @@ class Stores:
             if kind == "hold":
                 self._held[rid] = (op[2], op[3])
             elif kind == "publish":
-                _, _, tokens, start, slots, ns, finished, floor, state = op
+                _, _, tokens, start, slots, ns, finished, floor, state, _ = op
                 slots = np.ravel(slots)
                 prefix, receipt = self._held.get(rid, (EMPTY, 0))
-                if rid in self.refused or start != len(prefix):  # cannot attach: the pages are not kept
-                    frees.append(slots)
+                if rid in self.refused or start != len(prefix) or not copied.get(id(op), True):
+                    frees.append(slots)  # cannot attach (or their KV was not written): the pages are not kept
                     if state >= 0:
                         self._state_frees.append(state)
-                    self.refused.add(rid)
+                    if finished:  # nothing follows a finished request's publish: its lock goes now
+                        self._held.pop(rid, None)
+                        self.refused.discard(rid)
+                        if receipt:
+                            unlocks.append(receipt)
+                    else:
+                        self.refused.add(rid)
                     continue
                 item = dict(tokens=tokens[:start + slots.size], indices=np.concatenate([prefix, slots]),
                             prev_prefix_len=len(prefix),
@@ -523,6 +560,7 @@ class Stores:
             return not (self._inbox.items or self._busy)
 
     def wait_idle(self, timeout: float) -> None:
+        self.flush()
         self._inbox.ring()
         with self._cv:
             self._cv.wait_for(lambda: not (self._inbox.items or self._busy), timeout)

@@ -175,6 +175,80 @@ def scenario_two_engines_share_pages_byte_for_byte(c: CacheClient) -> None:
     b.cache.shutdown()
 
 
+def scenario_a_scheduler_step_publishes_its_stores_in_one_call(c: CacheClient) -> None:
+    """Built inside SGLang's scheduler, the backend wraps two of its methods: a queued request starts its lookup,
+    and at the end of a step's results its finished requests go to radixd together, in one CacheFinished (their
+    CPU copies on the store thread); radixd's pool then holds each one's K and V as the forward wrote them."""
+    from radixd.sglang.backend import hook_scheduler
+    e = Engine()
+    e.cache.stores.max_wait = 60  # no round but the step's end (the idle-engine fallback out of the way)
+    published: list[int] = []
+    send = e.cache.client.cache_finished
+    e.cache.client.cache_finished = lambda items, *a, **k: (published.append(len(items)), send(items, *a, **k))[1]
+    rng = random.Random(time.time_ns())  # (prompts of its own: no other scenario's pages on the shared server)
+
+    class Scheduler:  # the two methods the backend wraps, as SGLang 0.5.23's Scheduler has them
+        def _add_request_to_queue(self, req, is_retracted: bool = False) -> None:
+            pass
+
+        def process_batch_result(self, batch, result) -> None:
+            for r in batch:
+                e.prefill(r, 40, finish=True)
+                e.release(r)
+            if result == "measured":
+                st = e.cache.stores  # a store thread that publishes before the step's end goes idle in this wait
+                with st._cv:
+                    st._cv.wait_for(lambda: not (st._inbox.items or st._busy), 0.5)
+                assert c.stats()["cached_tokens"] == before, "a store was published before its step ended"
+    sched = Scheduler()
+    hook_scheduler(sched, e.cache)
+    for step in ("warm-up", "measured"):  # the first step fills the slot stock (as an engine's first steps do)
+        prompts = [[rng.randrange(1000, 1999) for _ in range(40)] for _ in range(4)]
+        e._rows = iter(range(1, 5))  # (the last step's requests were released: their req_to_token rows are free)
+        reqs = [e.request(f"{step}{i}", p) for i, p in enumerate(prompts)]
+        before = settled(c, e)["cached_tokens"]
+        if step == "measured":
+            assert e.cache.stocked_tokens() >= 160, "the slot stock did not grow to a step's stores"
+            published.clear()
+        for r in reqs:
+            sched._add_request_to_queue(r)
+            assert r.cache_request_handle in e.cache._asked, "queueing a request did not start its radixd lookup"
+        sched.process_batch_result(reqs, step)
+        assert settled(c, e)["cached_tokens"] == before + 160
+    assert published == [4], f"a step's 4 stores took CacheFinished calls of {published} requests"
+    for p in prompts:
+        radixd_holds_the_forwards_kv(c, p)
+    e.cache.shutdown()
+
+
+def scenario_cpu_copies_go_by_whole_pages_only(c: CacheClient) -> None:
+    """The CPU copy indexes one row per page only where the slots are whole pages in order; any other slots go
+    slot by slot, and both write the same bytes."""
+    import numpy as np
+    from radixd.sglang.backend import _pages
+    pages = np.array([8, 9, 10, 11, 20, 21, 22, 23])
+    assert _pages(pages, PAGE).tolist() == [2, 5]
+    for odd in ([9, 10, 11, 12], [8, 9, 11, 10], [8, 9, 10], [8, 9, 10, 11, 20, 21, 22, 24]):
+        assert _pages(np.array(odd), PAGE) is None, odd
+    assert _pages(np.array([3, 7, 1]), 1).tolist() == [3, 7, 1]
+    e = Engine()
+    held = np.asarray(c.alloc(2 * PAGE), dtype=np.int64)  # radixd slots of our own (whole pages, in order)
+    for dst in (held.tolist(), held[::-1].tolist()):  # whole pages, then the same slots backwards
+        for t in e.cache.rk + e.cache.rv:
+            t[dst] = 0
+        src = pages + 4
+        for layer in range(LAYERS):
+            e.kv.k_buffer[layer][src] = torch.arange(len(src), dtype=torch.float32)[:, None, None] + 7 * layer
+            e.kv.v_buffer[layer][src] = -torch.arange(len(src), dtype=torch.float32)[:, None, None] - 7 * layer
+        from radixd.sglang.backend import _CopyJob
+        assert _CopyJob(e.cache, src, np.array(dst))()
+        for layer in range(LAYERS):
+            assert torch.equal(e.cache.rk[layer][dst], e.kv.k_buffer[layer][src]), (dst, layer)
+            assert torch.equal(e.cache.rv[layer][dst], e.kv.v_buffer[layer][src]), (dst, layer)
+    c.free(held)
+    e.cache.shutdown()
+
+
 def scenario_a_miss_makes_no_round_trip_with_kv_events(c: CacheClient) -> None:
     """radixd with --kv-events: an engine follows the events into a local index. A prompt radixd holds nothing of
     is a miss with no lookup at match or at store, and its pages are still published; a second engine started

@@ -71,7 +71,7 @@ def test_a_release_in_the_round_of_its_publish_is_one_cachefinished():
         toks = np.concatenate([base, np.arange(200, 204, dtype=np.int32)])  # 3 pages: 1 held, 2 new
         # all three in one round, as a request that ends at its prefill queues them (one extend: atomic)
         stores._inbox.items.extend([("hold", "r", m.indices, m.receipt_id),
-                                    ("publish", "r", toks, PAGE, pages.reshape(-1), {}, False, 0, -1),
+                                    ("publish", "r", toks, PAGE, pages.reshape(-1), {}, False, 0, -1, None),
                                     ("release", "r", toks, {})])
         stores._inbox.ring()
         _settle(stores)

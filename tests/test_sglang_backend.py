@@ -19,7 +19,8 @@ DIFF = Path(__file__).resolve().parent / "sglang_differential.py"
 SGL_PY = venv_python("RADIXD_SGLANG_PYTHON", ".venv-sglang")
 pytestmark = pytest.mark.skipif(SGL_PY is None, reason="no SGLang venv (.ci/run builds .venv-sglang with sglang "
                                                        "0.5.23; or set RADIXD_SGLANG_PYTHON)")
-SCENARIOS = ["two_engines_share_pages_byte_for_byte", "pages_on_radixd_host_tier_are_loaded_back",
+SCENARIOS = ["two_engines_share_pages_byte_for_byte", "a_scheduler_step_publishes_its_stores_in_one_call",
+             "cpu_copies_go_by_whole_pages_only", "pages_on_radixd_host_tier_are_loaded_back",
              "partial_hit_and_namespaces", "abort_and_unused_markers_release_radixd_locks",
              "same_matches_as_sglang_alone", "overridden_signatures_match_sglang",
              "a_stopped_radixd_costs_a_miss_at_the_deadline",

@@ -13,11 +13,15 @@ engine on the node shares (one radixd session per engine: a dead engine loses it
   init_load_back   all or nothing: SGLang slots (evicting locally if short), radixd's pages copied into
                    SGLang's k_buffer / v_buffer, the path inserted into SGLang's tree, radixd's lock released;
   checkpoint       SGLang's own bookkeeping; a finished request's path is pinned in SGLang's tree and looked up
-                   in radixd on the lookup thread; once the answer is there its new whole pages are copied into
-                   slots from a stock of held radixd slots and published (CacheUnfinished, then Unlock) on a
-                   store thread, batched. On GPU the copy runs on a side stream and is published once its
-                   event completed. SGLang has no tick for a backend, so this progresses in match_prefix,
-                   checkpoint, evict and check_hicache_events (and `settle` finishes everything);
+                   in radixd on the lookup thread (unless its queued lookup already locked radixd's prefix); once
+                   the answer is there its new whole pages get slots from a stock of held radixd slots and are
+                   copied and published (CacheFinished) off the scheduler thread: on GPU the copy runs on a side
+                   stream and is published once its event completed; on CPU the store thread copies (numpy, a
+                   page per index) and then publishes;
+  end_step         (wrapped around the scheduler's `process_batch_result`) the step's stores go to radixd in one
+                   round: one CacheFinished for all of them. SGLang has no tick for a backend, so the rest
+                   progresses in match_prefix, checkpoint, evict, end_step and check_hicache_events (and `settle`
+                   finishes everything);
   on_release / release_aborted_request / reset  release every radixd lock the request (or cache) held.
 No radixd call blocks the scheduler thread except the bounded wait for a lookup in match_prefix, and an
 Alloc when the slot stock runs short. With radixd started with --kv-events (and no L3 tier) the backend follows
@@ -34,8 +38,10 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 import time
 from array import array
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -67,18 +73,19 @@ def _ids(tokens: Any) -> np.ndarray:
 
 
 def _agree(a: np.ndarray, b: np.ndarray) -> bool:
-    """Two token sequences equal as far as the shorter goes."""
+    """Two token sequences (radixd's int32) equal as far as the shorter goes."""
     n = min(len(a), len(b))
-    return bool(np.array_equal(a[:n], b[:n]))
+    return a[:n].tobytes() == b[:n].tobytes()  # (a fifth of np.array_equal's time on a cold scheduler thread)
 
 
-def _byte_rows(ours: list[torch.Tensor], theirs: list[torch.Tensor]) -> Optional[tuple[list, list]]:
-    """numpy views of each CPU buffer as one row of bytes per slot, paired; None unless every pair has the same
-    row (dtype and shape) and is row-contiguous."""
+def _byte_rows(ours: list[torch.Tensor], theirs: list[torch.Tensor], page: int) -> Optional[tuple[list, list]]:
+    """numpy views of each CPU buffer as one row of bytes per page of slots (its last partial page left out),
+    paired; None unless every pair has the same row (dtype and shape) and is row-contiguous."""
     def rows(t: torch.Tensor) -> Optional[np.ndarray]:
         if t.dim() < 1 or not t.is_contiguous():
             return None
-        return t.view(torch.uint8).numpy().reshape(t.shape[0], -1)
+        b = t.view(torch.uint8).numpy().reshape(t.shape[0], -1)
+        return np.lib.stride_tricks.as_strided(b, (b.shape[0] // page, page * b.shape[1]), (page * b.strides[0], 1))
     a, b = [rows(t) for t in ours], [rows(t) for t in theirs]
     if any(x is None for x in a + b) or any(x.shape[1] != y.shape[1] or s.dtype != d.dtype
                                            for x, y, s, d in zip(a, b, ours, theirs)):
@@ -86,8 +93,20 @@ def _byte_rows(ours: list[torch.Tensor], theirs: list[torch.Tensor]) -> Optional
     return a, b
 
 
-def _copy_rows(src: list[np.ndarray], at: np.ndarray, dst: list[np.ndarray], to: np.ndarray) -> None:
-    """dst[i][to] = src[i][at] for every buffer."""
+def _pages(slots: np.ndarray, page: int) -> Optional[np.ndarray]:
+    """The page numbers of slots that are whole pages in order (as SGLang's and radixd's paged allocators hand
+    them out), or None."""
+    if len(slots) % page:
+        return None
+    rows = slots.reshape(-1, page)
+    first = rows[:, 0]
+    if (first % page).any() or page > 1 and ((rows - first[:, None]) != np.arange(page)).any():
+        return None
+    return first // page
+
+
+def _copy_pages(src: list[np.ndarray], at: np.ndarray, dst: list[np.ndarray], to: np.ndarray) -> None:
+    """dst[i][to] = src[i][at] for every buffer (rows of whole pages: one index per page, not per slot)."""
     for s, d in zip(src, dst):
         d[to] = np.take(s, at, axis=0)
 
@@ -110,6 +129,35 @@ class _Marker:
     path: np.ndarray  # radixd device slots of the matched path, root first
     key: RadixKey  # snapshot of the matched key (the request's own key keeps growing)
     device_len: int  # SGLang's device prefix at match time
+
+
+class _CopyJob:
+    """A store's CPU copy, run by the store thread before it publishes; the scheduler polls it as a CUDA event."""
+
+    def __init__(self, cache: "RadixdRadixCache", src: np.ndarray, dst: np.ndarray):
+        self.cache, self.src, self.dst = cache, src, dst
+        self.done = False
+        self._running = threading.Lock()  # held until the copy is over (a bare lock: an Event costs 10x more here)
+        self._running.acquire()
+
+    def __call__(self) -> bool:
+        try:
+            if not self.cache._copy_cpu(True, self.src, self.dst):
+                self.cache._copy_slots(self.src, self.dst)
+            return True
+        except Exception:  # (on the store thread) the pages are not published; the scheduler's poll ends
+            log.exception("radixd store copy failed")
+            return False
+        finally:
+            self.done = True
+            self._running.release()
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        with self._running:
+            pass
 
 
 @dataclass
@@ -157,7 +205,7 @@ class RadixdRadixCache(RadixCache):
 
     def __init__(self, params: "CacheInitParams", tp_size: int = 1, tp_rank: int = 0, tp_group: Any = None,
                  target: Optional[str] = None, token: Optional[str] = None, load_back: bool = True,
-                 lookup_deadline_ms: float = 200, slot_stock_tokens: int = 8192, local_index: bool = True):
+                 lookup_deadline_ms: float = 200, slot_stock_tokens: int = 65536, local_index: bool = True):
         super().__init__(params)
         if tp_size > 1 and tp_group is None:
             raise ValueError("radixd backend: tensor parallelism needs the TP group (broadcast_object, barrier)")
@@ -189,17 +237,19 @@ class RadixdRadixCache(RadixCache):
         self.rk, self.rv = dev.k_buffer, dev.v_buffer
         self.cuda = self.k[0].is_cuda
         self.stream = torch.cuda.Stream(device=self.k[0].device) if self.cuda else None
-        # CPU, one rank: byte rows of SGLang's and radixd's K and V, copied by numpy (about half the time of torch's
-        # index ops per request, which run ~15 us each on a cold scheduler thread)
-        self._rows = _byte_rows(self.k + self.v, self.rk + self.rv) if not self.cuda and tp_size == 1 else None
+        # CPU, one rank: SGLang's and radixd's K and V as a row of bytes per page, copied by numpy a page per index
+        # (torch's index ops per slot ran ~15 us each on a cold scheduler thread)
+        self._rows = _byte_rows(self.k + self.v, self.rk + self.rv, self.page_size) \
+            if not self.cuda and tp_size == 1 else None
         self._markers: dict[Any, _Marker] = {}
-        self._stores: list[_Store] = []
+        self._stores: deque[_Store] = deque()
         self.loaded_tokens = 0  # tokens copied in from radixd (for tests and logs)
         self.stored_tokens = 0
         self.rpcs = 0  # radixd calls made on the scheduler thread (for tests and benchmarks)
         self.deadline = lookup_deadline_ms / 1000
         self.asynchronous = tp_size == 1  # with TP every rank must see the lead's decision at the same call
         self._asked: dict[Any, _Asked] = {}
+        self._firsts: dict[Any, int] = {}  # each live request's first-page hash (the local index's key)
         self._holds: dict[Any, _Hold] = {}
         self._plans: list[_Plan] = []
         self._sid = 0
@@ -243,18 +293,21 @@ class RadixdRadixCache(RadixCache):
 
     def _drain(self, wait: bool = False) -> None:
         """Copy the stores whose radixd lookup landed, publish those whose copy completed (all with wait)."""
+        if wait and self.asynchronous:
+            self.stores.flush()  # (a CPU copy runs in the store thread's next round)
         if self._plans:
             self._copy_planned(wait)
-        keep = []
-        for st in self._stores:
+        stores = self._stores
+        while stores:  # copies complete in the order they were queued (one stream, one store thread)
+            st = stores[0]
             if st.event is not None and not wait and not st.event.query():
-                keep.append(st)
-                continue
+                break
+            stores.popleft()
             if st.event is not None:
                 st.event.synchronize()
-            self._publish(st.item)
+            if st.item is not None:
+                self._publish(st.item)
             self.dec_lock_ref(st.node)
-        self._stores = keep
 
     def _publish(self, item: dict) -> None:
         if self.asynchronous:  # the store thread publishes it (locks the longer prefix) and then releases it
@@ -282,6 +335,7 @@ class RadixdRadixCache(RadixCache):
                 self._drop_marker(h)
             for h in list(self._asked) + list(self._holds):
                 self._forget(h)
+            self._firsts.clear()
         super().reset()
 
     def settle(self) -> None:
@@ -321,11 +375,21 @@ class RadixdRadixCache(RadixCache):
         n = len(ids) - 1  # the scheduler's key: all but the last token, whole pages
         n -= n % self.page_size
         ns = dict(extra_key=req.extra_key or "", cache_salt=req.cache_salt or "")
-        if n > 0 and not self._known_miss(ids[:n], ns):
+        if n > 0 and not self._known_miss(req.cache_request_handle, ids[:n], ns):
             self._ask(req.cache_request_handle, ids[:n], ns)
 
-    def _known_miss(self, tokens: np.ndarray, ns: dict) -> bool:
-        return self.index is not None and self.index.known_miss(tokens, ns["cache_salt"])
+    def _known_miss(self, handle: Any, tokens: np.ndarray, ns: dict) -> bool:
+        """radixd holds not even the first page (asked at queue, match and store time: its hash is kept)."""
+        if self.index is None:
+            return False
+        first = self._firsts.get(handle)
+        if first is None:
+            first = self.index.first(tokens, ns["cache_salt"])
+            if first is not None:
+                if len(self._firsts) > 65536:  # (handles are dropped at release; this bounds any that never are)
+                    self._firsts.clear()
+                self._firsts[handle] = first
+        return self.index.known_miss(tokens, ns["cache_salt"], first)
 
     def _ask(self, handle: Any, tokens: np.ndarray, ns: dict) -> None:
         self._forget(handle)
@@ -390,7 +454,7 @@ class RadixdRadixCache(RadixCache):
         if hold is None or not _agree(hold.tokens, tokens):
             asked = self._asked.get(handle)
             if asked is None or not _agree(asked.tokens, tokens):
-                if self._known_miss(tokens, self._ns(key)):
+                if self._known_miss(handle, tokens, self._ns(key)):
                     self._forget(handle)
                     return None, 0
                 self._ask(handle, tokens, self._ns(key))  # none yet, or for other tokens
@@ -448,12 +512,11 @@ class RadixdRadixCache(RadixCache):
                 self.dec_lock_ref(last)
             if slots is None:
                 return 0, last
-            src = torch.from_numpy(marker.path[marker.device_len:marker.device_len + n].copy()).to(self.k[0].device)
+            at = marker.path[marker.device_len:marker.device_len + n]
             dst = slots.to(torch.int64)
             sh = self.shard
-            if self._rows is not None:
-                _copy_rows(self._rows[1], src.numpy(), self._rows[0], dst.numpy())
-            else:
+            if self.cuda or not self._copy_cpu(False, at, dst.numpy()):
+                src = torch.from_numpy(at.copy()).to(self.k[0].device)
                 for i in range(len(self.k)):  # index_select / index_copy_: several times faster than indexing
                     self.k[i].index_copy_(0, dst, self.rk[i].index_select(0, src)[:, sh])
                     self.v[i].index_copy_(0, dst, self.rv[i].index_select(0, src)[:, sh])
@@ -475,13 +538,14 @@ class RadixdRadixCache(RadixCache):
     def checkpoint(self, req, *, up_to: int) -> None:
         """SGLang's own checkpoint; a finished request's new whole pages also go to radixd."""
         super().checkpoint(req, up_to=up_to)
-        self._drain()
         if self.disable or not req.finished():
+            self._drain()
             return
         node = req.last_node
         indices = self.path_device_indices(node).to(torch.int64)
         n = len(indices) - len(indices) % self.page_size
         if n == 0:
+            self._drain()
             return
         tokens = _ids(req.full_untruncated_fill_ids[:n])
         ns = dict(extra_key=req.extra_key or "", cache_salt=req.cache_salt or "")
@@ -493,7 +557,7 @@ class RadixdRadixCache(RadixCache):
             if hold is not None and _agree(hold.tokens, tokens):  # attach to what its lookup locked
                 del self._holds[req.cache_request_handle]
                 plan.found = (hold.prefix, hold.receipt, hold.tokens)
-            elif self._known_miss(tokens, ns):  # radixd has none of it: every page goes, from the first
+            elif self._known_miss(req.cache_request_handle, tokens, ns):  # radixd has none of it: every page goes
                 self._forget(req.cache_request_handle)
                 plan.found = (EMPTY, 0, tokens[:0])
             else:  # look radixd up first
@@ -529,13 +593,10 @@ class RadixdRadixCache(RadixCache):
 
     def _copy_out(self, src: torch.Tensor, dst: torch.Tensor) -> Any:
         """SGLang's KV at src into radixd's slots dst (GPU: on the side stream; its event is returned)."""
-        if self._rows is not None:
-            _copy_rows(self._rows[0], src.numpy(), self._rows[1], dst.numpy())
+        if not self.cuda and self._copy_cpu(True, src.numpy(), dst.numpy()):
             return None
         if not self.cuda:
-            for i in range(len(self.k)):
-                self.rk[i].index_copy_(0, dst, self.k[i].index_select(0, src))
-                self.rv[i].index_copy_(0, dst, self.v[i].index_select(0, src))
+            self._copy_slots(src, dst)
             return None
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
@@ -546,11 +607,30 @@ class RadixdRadixCache(RadixCache):
             event.record(self.stream)
         return event
 
+    def _copy_slots(self, src: Any, dst: Any) -> None:
+        """CPU: SGLang's KV at slots src into radixd's at dst, slot by slot (torch's index ops)."""
+        src, dst = torch.as_tensor(src, dtype=torch.int64), torch.as_tensor(dst, dtype=torch.int64)
+        for i in range(len(self.k)):
+            self.rk[i].index_copy_(0, dst, self.k[i].index_select(0, src))
+            self.rv[i].index_copy_(0, dst, self.v[i].index_select(0, src))
+
+    def _copy_cpu(self, out: bool, src: np.ndarray, dst: np.ndarray) -> bool:
+        """CPU, one rank: SGLang's pages at src into radixd's at dst (`out`), or radixd's into SGLang's; False (nothing
+        copied) unless both are whole pages."""
+        if self._rows is None:
+            return False
+        a, b = _pages(src, self.page_size), _pages(dst, self.page_size)
+        if a is None or b is None:
+            return False
+        ours, theirs = self._rows
+        _copy_pages(ours if out else theirs, a, theirs if out else ours, b)
+        return True
+
     def _copy_planned(self, wait: bool) -> None:
         """Planned stores whose radixd prefix is known and for which the stock has slots: the copy started, the
         publish queued behind it. With `wait`, waits for lookups and refills up to the deadline; a store past
         the deadline is dropped."""
-        keep = []
+        keep, short = [], False
         for p in self._plans:
             left = self.deadline - (time.monotonic() - p.asked)
             if p.found is None:
@@ -566,7 +646,11 @@ class RadixdRadixCache(RadixCache):
                     log.info("radixd store lookup took longer than %.0f ms: not stored", self.deadline * 1e3)
                     self.dec_lock_ref(p.node)
                     continue
+            if short and left > 0 and not wait:  # the stock ran short for an earlier store: this one waits too
+                keep.append(p)
+                continue
             if not self._store(p, wait_s=max(left, 0.0) if wait else 0.0):
+                short = True
                 if left > 0 and not wait:
                     keep.append(p)
                 else:
@@ -589,9 +673,15 @@ class RadixdRadixCache(RadixCache):
         pages = self.stores.take_pages((n - have) // self.page_size, wait_s)
         if pages is None:
             return False
+        self.stored_tokens += n - have
+        if self._rows is not None:  # CPU: the store thread copies, then publishes (the scheduler only polls)
+            job = _CopyJob(self, p.src[have:n].numpy(), pages.reshape(-1))
+            self.stores.hold(key, prefix, receipt)
+            self.stores.publish(key, p.tokens[:n], have, pages, p.ns, finished=True, copy=job)
+            self._stores.append(_Store(job, p.node, None))
+            return True
         slots = np.array(pages.reshape(-1), dtype=np.int64)  # writable: torch takes it as is
         event = self._copy_out(p.src[have:n], torch.from_numpy(slots).to(self.k[0].device))
-        self.stored_tokens += n - have
         item = dict(sid=p.sid, prefix=prefix, receipt_id=receipt, tokens=p.tokens[:n], prev_prefix_len=have,
                     slots=slots, ns=p.ns)
         self._stores.append(_Store(event, p.node, item))
@@ -625,26 +715,44 @@ class RadixdRadixCache(RadixCache):
     def check_hicache_events(self) -> None:
         self._drain()
 
+    def end_step(self) -> None:
+        """The scheduler processed a step's results (its finished requests checkpointed): their stores go to
+        radixd in one round."""
+        if self.asynchronous:
+            self._drain()
+            self.stores.flush()
+
     def on_release(self, req, *, checkpointed: bool) -> None:
         super().on_release(req, checkpointed=checkpointed)
         self._drop_marker(req.cache_request_handle)
         self._forget(req.cache_request_handle)
+        self._firsts.pop(req.cache_request_handle, None)
 
     def release_aborted_request(self, handle) -> None:
         super().release_aborted_request(handle)
         self._drop_marker(handle)
         self._forget(handle)
+        self._firsts.pop(handle, None)
 
 
-def hook_queue(scheduler: Any, cache: RadixdRadixCache) -> None:
-    """Have the scheduler tell the cache of every request it queues (SGLang has no hook for a backend there)."""
-    add = scheduler._add_request_to_queue
+def hook_scheduler(scheduler: Any, cache: RadixdRadixCache) -> None:
+    """Have the scheduler tell the cache of every request it queues and of the end of every step's results (SGLang
+    has no hook for a backend there): lookups start at queue time, and a step's stores go in one round."""
+    add, results = scheduler._add_request_to_queue, scheduler.process_batch_result
 
     def add_request_to_queue(req, *args: Any, **kwargs: Any):
         out = add(req, *args, **kwargs)
         cache.queued(req)
         return out
+
+    def process_batch_result(*args: Any, **kwargs: Any):
+        try:
+            return results(*args, **kwargs)
+        finally:
+            cache.end_step()
     scheduler._add_request_to_queue = add_request_to_queue
+    scheduler.process_batch_result = process_batch_result
+    cache.stores.stepped = True
 
 
 def _building_scheduler() -> Any:
@@ -652,7 +760,8 @@ def _building_scheduler() -> Any:
     frame = sys._getframe(1)
     while frame is not None:
         obj = frame.f_locals.get("self")
-        if type(obj).__name__ == "Scheduler" and callable(getattr(obj, "_add_request_to_queue", None)):
+        if type(obj).__name__ == "Scheduler" and callable(getattr(obj, "_add_request_to_queue", None)) \
+                and callable(getattr(obj, "process_batch_result", None)):
             return obj
         frame = frame.f_back
     return None
@@ -675,7 +784,7 @@ def factory(ctx) -> RadixdRadixCache:
     cache = RadixdRadixCache(ctx.params, tp_size=ctx.tp_size, tp_rank=ctx.tp_rank, tp_group=ctx.tp_group)
     scheduler = _building_scheduler()
     if scheduler is not None and cache.asynchronous:
-        hook_queue(scheduler, cache)
+        hook_scheduler(scheduler, cache)
     elif cache.asynchronous:
         log.info("radixd backend: not built by SGLang's Scheduler; lookups start at the first match")
     return cache
