@@ -58,10 +58,9 @@ class Req:
     last_node: Any = None
     done: bool = False
 
-    @property
-    def cache_request_handle(self) -> Any:
+    def __post_init__(self) -> None:
         from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
-        return CacheRequestHandle(self.rid, 0)
+        self.cache_request_handle = CacheRequestHandle(self.rid, 0)  # an attribute, as on SGLang's Req
 
     @property
     def full_untruncated_fill_ids(self) -> array:

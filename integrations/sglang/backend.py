@@ -250,6 +250,7 @@ class RadixdRadixCache(RadixCache):
         self.asynchronous = tp_size == 1  # with TP every rank must see the lead's decision at the same call
         self._asked: dict[Any, _Asked] = {}
         self._firsts: dict[Any, int] = {}  # each live request's first-page hash (the local index's key)
+        self._missed: dict[Any, float] = {}  # requests the local index called a miss when queued: when
         self._holds: dict[Any, _Hold] = {}
         self._plans: list[_Plan] = []
         self._sid = 0
@@ -336,6 +337,7 @@ class RadixdRadixCache(RadixCache):
             for h in list(self._asked) + list(self._holds):
                 self._forget(h)
             self._firsts.clear()
+            self._missed.clear()
         super().reset()
 
     def settle(self) -> None:
@@ -375,7 +377,13 @@ class RadixdRadixCache(RadixCache):
         n = len(ids) - 1  # the scheduler's key: all but the last token, whole pages
         n -= n % self.page_size
         ns = dict(extra_key=req.extra_key or "", cache_salt=req.cache_salt or "")
-        if n > 0 and not self._known_miss(req.cache_request_handle, ids[:n], ns):
+        if n <= 0:
+            return
+        if self._known_miss(req.cache_request_handle, ids[:n], ns):
+            if len(self._missed) > 65536:  # (dropped at release; this bounds any that never are)
+                self._missed.clear()
+            self._missed[req.cache_request_handle] = time.monotonic()
+        else:
             self._ask(req.cache_request_handle, ids[:n], ns)
 
     def _known_miss(self, handle: Any, tokens: np.ndarray, ns: dict) -> bool:
@@ -449,6 +457,11 @@ class RadixdRadixCache(RadixCache):
         """radixd's path for the key when it holds more than SGLang's device prefix: from the request's hold, or
         the lookup it started when it was queued (or one started now), waited for up to the deadline. The lock
         stays with the request's hold (the receipt returned is 0)."""
+        missed = self._missed.get(handle)
+        if missed is not None:  # the local index said miss when it was queued: trusted for the lookup deadline
+            if time.monotonic() - missed < self.deadline:
+                return None, 0
+            del self._missed[handle]
         tokens = _ids(key.raw_token_ids())
         hold = self._holds.get(handle)
         if hold is None or not _agree(hold.tokens, tokens):
@@ -727,12 +740,14 @@ class RadixdRadixCache(RadixCache):
         self._drop_marker(req.cache_request_handle)
         self._forget(req.cache_request_handle)
         self._firsts.pop(req.cache_request_handle, None)
+        self._missed.pop(req.cache_request_handle, None)
 
     def release_aborted_request(self, handle) -> None:
         super().release_aborted_request(handle)
         self._drop_marker(handle)
         self._forget(handle)
         self._firsts.pop(handle, None)
+        self._missed.pop(handle, None)
 
 
 def hook_scheduler(scheduler: Any, cache: RadixdRadixCache) -> None:
