@@ -251,7 +251,7 @@ class Stores:
     an Unlock."""
 
     def __init__(self, client: CacheClient, page: int, stock_max: int, linger: float = 0.002, hybrid: bool = False,
-                 states: int = 0, capacity: int = 0):
+                 states: int = 0, capacity: int = 0, prime: int = 0):
         self.client, self.page, self.stock_max, self.linger = client, page, stock_max, linger
         # the stock grows by doubling up to this: at most an eighth of the server (`capacity` tokens, 0: unknown),
         # so that slots held ready never crowd out the cache of a small server
@@ -269,7 +269,9 @@ class Stores:
         self.refused: set[Hashable] = set()  # requests whose publish failed: the scheduler stops storing them
         self._stock = np.zeros((0, page), np.int64)  # held radixd pages for stores, one row each
         self._heads: list[int] = []  # each stocked page's first slot (listed on this thread, not the scheduler's)
-        self._want = 0  # pages the stock should hold
+        # pages the stock should hold: `prime` tokens (at most the most it grows to) from the start, filled before
+        # the first store asks, so that an engine's first steps do not each refill a stock that is still growing
+        self._want = min(prime, self.grow_max) // page
         self._taken = 0  # pages asked for since the last refill
         self._busy = False
         self._stop = False

@@ -255,7 +255,8 @@ class RadixdRadixCache(RadixCache):
         self._plans: list[_Plan] = []
         self._sid = 0
         if self.asynchronous:
-            self.stores = Stores(self.client, self.page_size, slot_stock_tokens, capacity=info["capacity_tokens"])
+            self.stores = Stores(self.client, self.page_size, slot_stock_tokens, capacity=info["capacity_tokens"],
+                                 prime=slot_stock_tokens // 4)
             self.lookups = Lookups(self.client, load_back, self.stores)
             self.stores.first = self.lookups
         self.index: Optional[LocalIndex] = None  # misses answered with no round trip (radixd with --kv-events)
