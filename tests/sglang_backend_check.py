@@ -261,7 +261,7 @@ def scenario_a_miss_makes_no_round_trip_with_kv_events(c: CacheClient) -> None:
     assert a.prefill(ra, 42, finish=True) == (0, 0)
     a.release(ra)
     assert settled(c, a)["cached_tokens"] == 40  # stored with no lookup before it
-    assert a.cache.lookups.rpcs == 0 and a.cache.index.misses == 2  # queued (the match trusts it), store
+    assert a.cache.lookups.rpcs == 0 and a.cache.index.misses == 1  # at queue time (match and store trust it)
     b = Engine()
     rb = b.request("b1", prompt + [5, 6, 7])
     b.cache.queued(rb)

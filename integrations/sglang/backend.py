@@ -564,18 +564,20 @@ class RadixdRadixCache(RadixCache):
         tokens = _ids(req.full_untruncated_fill_ids[:n])
         ns = dict(extra_key=req.extra_key or "", cache_salt=req.cache_salt or "")
         if self.asynchronous:
+            handle = req.cache_request_handle
             self.inc_lock_ref(node)  # SGLang must not reuse the source slots before the copy is over
-            hold = self._collect(req.cache_request_handle)
+            hold = self._collect(handle)
             self._sid += 1
             plan = _Plan(self._sid, node, indices[:n], tokens, ns, time.monotonic())
             if hold is not None and _agree(hold.tokens, tokens):  # attach to what its lookup locked
-                del self._holds[req.cache_request_handle]
+                del self._holds[handle]
                 plan.found = (hold.prefix, hold.receipt, hold.tokens)
-            elif self._known_miss(req.cache_request_handle, tokens, ns):  # radixd has none of it: every page goes
-                self._forget(req.cache_request_handle)
+            elif handle in self._missed or self._known_miss(handle, tokens, ns):  # radixd has none of it (when it
+                # was queued, or now): every page goes (pages stored meanwhile by another engine are deduplicated)
+                self._forget(handle)
                 plan.found = (EMPTY, 0, tokens[:0])
             else:  # look radixd up first
-                self._forget(req.cache_request_handle)
+                self._forget(handle)
                 self.lookups.submit(("store", self._sid), tokens, ns, load_back=False)
             self._plans.append(plan)
             self._drain()
