@@ -6,6 +6,7 @@ import logging
 import threading
 import time
 from collections import deque
+from functools import partial
 from typing import Any, Callable, Hashable, Optional
 
 import numpy as np
@@ -300,6 +301,17 @@ class Stores:
         any call of the round (it must not raise); False: they are not kept (and a finished request's lock goes)."""
         self._inbox.post(("publish", rid, tokens, start, slots, ns, finished, swa_floor, state, copy))
 
+    def store(self, rid: Hashable, tokens: Any, prefix: np.ndarray, receipt: int, ns: dict[str, str],
+              copy: Callable[[int, Optional[np.ndarray]], bool], lookup: Optional[np.ndarray] = None) -> None:
+        """A finished request's whole pages (`tokens`: its token ids, any int sequence, whole pages), of which radixd
+        holds `prefix` locked by `receipt`, planned here, on this thread, with the rest of the step's stores: slots for
+        the pages beyond the prefix from the stock (one Alloc first if it is short), `copy(start, slots)` to write
+        tokens[start:]'s KV into them, then one CacheFinished (or, when radixd holds them all, a release that counts
+        the hit). `copy` is called once at least (slots None: nothing is stored; later calls must do nothing);
+        `lookup`: the tokens the prefix was looked up for, when they may differ from `tokens` (where they disagree,
+        the lock goes and every page is published, as radixd dedups the ones it has). Not for a hybrid server."""
+        self._inbox.post(("store", rid, tokens, prefix, receipt, ns, copy, lookup))
+
     def release(self, rid: Hashable, tokens: Optional[np.ndarray] = None, ns: Optional[dict[str, str]] = None) -> None:
         """Let go of the request's lock: with its tokens (any length from what it holds on), as a finished request
         (CacheFinished over what it holds: hits counted, write-through backups started, as SGLang's
@@ -398,10 +410,77 @@ class Stores:
                     self._cv.notify_all()
 
     def _round(self, ops: list[tuple]) -> None:
-        batch: list[tuple] = []  # (rid, item, new slots, finished)
         unlocks: list[int] = []
-        frees: list[np.ndarray] = []
         self._state_frees: list[int] = []
+        try:
+            self._calls(self._plan_stores(ops, unlocks), unlocks)
+        finally:  # (a bug in the round must not leave the scheduler polling a copy that never ran)
+            for op in ops:
+                if op[0] == "store":
+                    op[6](0, None)
+
+    def _plan_stores(self, ops: list[tuple], unlocks: list[int]) -> list[tuple]:
+        """The round's `store`s as the holds, publishes and releases they come to, with slots from the stock."""
+        stores = [op for op in ops if op[0] == "store"]
+        if not stores:
+            return ops
+        plans: dict[int, tuple] = {}  # id(op) -> (ids, prefix, receipt, pages wanted)
+        need = 0
+        for op in stores:
+            _, rid, tokens, prefix, receipt, ns, copy, lookup = op
+            ids = np.asarray(tokens, dtype=np.int32)
+            if lookup is not None:
+                k = min(len(lookup), len(ids))
+                if lookup[:k].tobytes() != ids[:k].tobytes():  # looked up for other tokens: the lock goes
+                    if receipt:
+                        unlocks.append(receipt)
+                    prefix, receipt = EMPTY, 0
+            want = max(len(ids) - len(prefix), 0) // self.page
+            plans[id(op)] = (ids, prefix, receipt, want)
+            need += want
+        stock = self._take_here(need)
+        out = []
+        for op in ops:
+            if op[0] != "store":
+                out.append(op)
+                continue
+            _, rid, _, _, _, ns, copy, _ = op
+            ids, prefix, receipt, want = plans[id(op)]
+            if want == 0:  # radixd holds it all: releasing it as finished counts the hit
+                out += [("hold", rid, prefix, receipt), ("release", rid, ids, ns)]
+                copy(len(ids), None)
+            elif len(stock) < want:  # radixd had no slots for it: not stored
+                copy(0, None)
+                if receipt:
+                    unlocks.append(receipt)
+            else:
+                pages, stock = stock[:want], stock[want:]
+                start = len(prefix)
+                out += [("hold", rid, prefix, receipt), ("publish", rid, ids, start, pages, ns, True, 0, -1,
+                                                         partial(copy, start, pages.reshape(-1)))]
+        if len(stock):  # (whole stores only: what one could not use goes back)
+            with self._cv:
+                self._stock = np.concatenate([stock, self._stock])
+                self._heads[:0] = stock[:, 0].tolist()
+        return out
+
+    def _take_here(self, n: int) -> np.ndarray:
+        """On this thread: n stocked pages (fewer if radixd has fewer), after one Alloc when the stock is short."""
+        with self._cv:
+            self._taken += n
+            self._want = max(self._want, min(2 * self._taken, max(self.stock_max // self.page, n)))
+            short = len(self._stock) < n
+        if short:  # (to what the stock should hold after the take: no second Alloc after the round)
+            self._refill(n + self._want)
+        with self._cv:
+            got, self._stock = self._stock[:n], self._stock[n:]
+            del self._heads[:len(got)]
+            return got
+
+    def _calls(self, ops: list[tuple], unlocks: list[int]) -> None:
+        """The round's operations, in order, as the fewest calls."""
+        batch: list[tuple] = []  # (rid, item, new slots, finished)
+        frees: list[np.ndarray] = []
         copied = {id(op): op[9]() for op in ops if op[0] == "publish" and op[9] is not None}
         for op in ops:
             kind, rid = op[0], op[1]
@@ -521,13 +600,14 @@ class Stores:
                 except RadixdError:
                     pass
 
-    def _refill(self) -> None:
+    def _refill(self, need: int = 0) -> None:
+        """Top the stock up to what it should hold (at least `need` pages) when it fell to half of that."""
         with self._cv:
-            refill = self._needs_refill()
+            refill = self._needs_refill() or len(self._stock) < need
             if refill:  # stores keep coming: a larger stock next time (one Alloc per more requests)
                 self._want = max(self._want, min(2 * self._want, self.grow_max // self.page))
                 self._want_states = max(self._want_states, min(2 * self._want_states, self.states_max))
-            short = max(self._want - len(self._stock), 0) if refill else 0
+            short = max(self._want - len(self._stock), need - len(self._stock), 0) if refill else 0
             short_states = max(self._want_states - len(self._states), 0) if refill else 0
             self._taken = self._taken_states = 0
         if short <= 0 and short_states <= 0:

@@ -172,14 +172,12 @@ class BlockIndex:
         with self._lock:
             return _lead(hashes, [c for m, c in self._nodes.get(node, {}).items() if m in media])
 
-    def holds_first(self, node: str, tokens: Any, cache_salt: str = "", media: tuple[str, ...] = MEDIA,
-                    first: Optional[int] = None) -> bool:
-        """Whether `node` holds the first whole page of `tokens` on any of `media`: one page hashed (unless its hash
-        is given as `first`), the check an engine makes on each request's arrival (`leading` does the same for any
-        number of pages)."""
-        if first is None and len(tokens) < self.page_size:
+    def holds_first(self, node: str, tokens: Any, cache_salt: str = "", media: tuple[str, ...] = MEDIA) -> bool:
+        """Whether `node` holds the first whole page of `tokens` on any of `media`: one page hashed, the check an
+        engine makes on each request's arrival (`leading` does the same for any number of pages)."""
+        if len(tokens) < self.page_size:
             return False
-        h = first_block_hash(tokens, self.page_size, cache_salt) if first is None else first
+        h = first_block_hash(tokens, self.page_size, cache_salt)
         with self._lock:
             held = self._nodes.get(node, {})
             for m in media:
@@ -310,15 +308,23 @@ class LocalIndex:
     def current(self) -> bool:
         return self.index.current(self.NODE, self.client.event_seq)
 
-    def first(self, tokens: Any, cache_salt: str = "") -> Optional[int]:
-        """The hash `known_miss` looks up for tokens (None: shorter than a page), for a caller that asks often."""
-        return first_block_hash(tokens, self.index.page_size, cache_salt) if len(tokens) >= self.index.page_size \
-            else None
-
-    def known_miss(self, tokens: Any, cache_salt: str = "", first: Optional[int] = None) -> bool:
-        """True when radixd certainly holds nothing of `tokens` (counted in `misses`); `first`: their `first`."""
-        if self.index.holds_first(self.NODE, tokens, cache_salt, self.media, first) or not self.current():
-            return False  # (a hit, the common case, asks the index once)
+    def known_miss(self, tokens: Any, cache_salt: str = "") -> bool:
+        """True when radixd certainly holds nothing of `tokens` (any int sequence; counted in `misses`)."""
+        index = self.index
+        if len(tokens) < index.page_size:
+            return False
+        h = first_block_hash(tokens, index.page_size, cache_salt)
+        # an engine asks this for every request, on a cache-cold thread: point reads of the index's dicts, each
+        # atomic under the GIL, instead of two calls that each take its lock
+        held = index._nodes.get(self.NODE)
+        if held is None:
+            return False
+        for m in self.media:
+            c = held.get(m)
+            if c is not None and h in c:
+                return False  # (a hit, the common case, asks the index once)
+        if self.NODE not in index._ready or index.seen.get(self.NODE, 0) < self.client.event_seq:
+            return False  # (not current: the snapshot is not applied, or our own last stores not seen yet)
         self.misses += 1
         return True
 

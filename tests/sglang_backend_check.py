@@ -241,7 +241,9 @@ def scenario_cpu_copies_go_by_whole_pages_only(c: CacheClient) -> None:
             e.kv.k_buffer[layer][src] = torch.arange(len(src), dtype=torch.float32)[:, None, None] + 7 * layer
             e.kv.v_buffer[layer][src] = -torch.arange(len(src), dtype=torch.float32)[:, None, None] - 7 * layer
         from radixd.sglang.backend import _CopyJob
-        assert _CopyJob(e.cache, src, np.array(dst))()
+        job = _CopyJob(e.cache, torch.from_numpy(np.concatenate([np.arange(PAGE), src])))  # a page radixd had first
+        assert job(PAGE, np.array(dst)) and job.query()
+        assert not job(PAGE, np.array(dst))  # once only
         for layer in range(LAYERS):
             assert torch.equal(e.cache.rk[layer][dst], e.kv.k_buffer[layer][src]), (dst, layer)
             assert torch.equal(e.cache.rv[layer][dst], e.kv.v_buffer[layer][src]), (dst, layer)

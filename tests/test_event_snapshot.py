@@ -150,3 +150,39 @@ def test_a_follower_of_a_server_without_events_is_never_current(server):
     t = idx.follow_grpc("n", server.target, snapshot=True, retry_s=0.05)
     t.join(timeout=30)
     assert not t.is_alive() and not idx.current("n")
+
+
+def test_a_local_index_calls_a_miss_only_while_current(tmp_path):
+    """LocalIndex.known_miss, as the engines ask it for every request (numpy, list or SGLang's array('q') ids): a
+    prompt radixd holds no page of is a miss; one it holds is not, in its own namespace only; a prompt shorter than
+    a page, one asked right after the client's own store (seen or not yet) and any prompt while the index is not
+    current (its server gone) are never called misses."""
+    from array import array
+
+    from radixd.client.events import LocalIndex
+    srv = ServerProc("--num-slots", "256", "--page-size", str(PAGE), "--kv-events")
+    try:
+        with CacheClient(srv.target) as c:
+            idx = LocalIndex(c, srv.target, PAGE)
+            try:
+                assert idx.current()
+                toks = np.arange(300, 300 + 2 * PAGE, dtype=np.int32)
+                for form in (toks, toks.tolist(), array("q", toks.tolist())):
+                    assert idx.known_miss(form)
+                assert idx.misses == 3
+                assert not idx.known_miss(toks[:PAGE - 1])  # not a whole page: nothing to look up
+                c.cache_unfinished([dict(tokens=toks, indices=c.alloc(len(toks)))])
+                assert not idx.known_miss(toks)  # right after our own store: held, or not current yet
+                _until(lambda: idx.current(), "the client's own store")
+                for form in (toks, toks.tolist(), array("q", toks.tolist()), toks[:PAGE]):
+                    assert not idx.known_miss(form)
+                assert idx.known_miss(toks, cache_salt="other")  # the same ids in another namespace
+                assert idx.known_miss(toks[PAGE:])  # the second page alone starts no chain radixd holds
+                assert idx.misses == 5
+                srv.stop()
+                _until(lambda: not idx.current(), "the index to notice the server is gone")
+                assert not idx.known_miss(np.arange(900, 900 + PAGE, dtype=np.int32))
+            finally:
+                idx.close()
+    finally:
+        srv.stop()

@@ -13,11 +13,12 @@ engine on the node shares (one radixd session per engine: a dead engine loses it
   init_load_back   all or nothing: SGLang slots (evicting locally if short), radixd's pages copied into
                    SGLang's k_buffer / v_buffer, the path inserted into SGLang's tree, radixd's lock released;
   checkpoint       SGLang's own bookkeeping; a finished request's path is pinned in SGLang's tree and looked up
-                   in radixd on the lookup thread (unless its queued lookup already locked radixd's prefix); once
-                   the answer is there its new whole pages get slots from a stock of held radixd slots and are
-                   copied and published (CacheFinished) off the scheduler thread: on GPU the copy runs on a side
-                   stream and is published once its event completed; on CPU the store thread copies (numpy, a
-                   page per index) and then publishes;
+                   in radixd on the lookup thread (unless its queued lookup already locked radixd's prefix, or the
+                   local index said radixd has none of it); once radixd's prefix is known its new whole pages get
+                   slots from a stock of held radixd slots and are copied and published (CacheFinished) off the
+                   scheduler thread: on GPU the copy runs on a side stream and is published once its event
+                   completed; on CPU the store thread does it all (the ids, the slots, the copy: numpy, a page per
+                   index, then the publish) and the scheduler only unpins the path once the copy is over;
   end_step         (wrapped around the scheduler's `process_batch_result`) the step's stores go to radixd in one
                    round: one CacheFinished for all of them. SGLang has no tick for a backend, so the rest
                    progresses in match_prefix, checkpoint, evict, end_step and check_hicache_events (and `settle`
@@ -132,18 +133,26 @@ class _Marker:
 
 
 class _CopyJob:
-    """A store's CPU copy, run by the store thread before it publishes; the scheduler polls it as a CUDA event."""
+    """A store's CPU copy, run by the store thread once it has planned the store (`Stores.store`), before it
+    publishes; the scheduler polls it as a CUDA event."""
 
-    def __init__(self, cache: "RadixdRadixCache", src: np.ndarray, dst: np.ndarray):
-        self.cache, self.src, self.dst = cache, src, dst
+    def __init__(self, cache: "RadixdRadixCache", src: Any):
+        self.cache, self.src = cache, src  # SGLang's slots of the request's whole pages (a tensor), root first
         self.done = False
         self._running = threading.Lock()  # held until the copy is over (a bare lock: an Event costs 10x more here)
         self._running.acquire()
 
-    def __call__(self) -> bool:
+    def __call__(self, start: int, dst: Optional[np.ndarray]) -> bool:
+        """The pages from `start` on into radixd's slots `dst` (None: not stored); once only."""
+        if self.done:
+            return False
         try:
-            if not self.cache._copy_cpu(True, self.src, self.dst):
-                self.cache._copy_slots(self.src, self.dst)
+            if dst is None:
+                return False
+            src = np.asarray(self.src[start:start + len(dst)], dtype=np.int64)
+            if not self.cache._copy_cpu(True, src, dst):
+                self.cache._copy_slots(src, dst)
+            self.cache.stored_tokens += len(dst)
             return True
         except Exception:  # (on the store thread) the pages are not published; the scheduler's poll ends
             log.exception("radixd store copy failed")
@@ -249,7 +258,6 @@ class RadixdRadixCache(RadixCache):
         self.deadline = lookup_deadline_ms / 1000
         self.asynchronous = tp_size == 1  # with TP every rank must see the lead's decision at the same call
         self._asked: dict[Any, _Asked] = {}
-        self._firsts: dict[Any, int] = {}  # each live request's first-page hash (the local index's key)
         self._missed: dict[Any, float] = {}  # requests the local index called a miss when queued: when
         self._holds: dict[Any, _Hold] = {}
         self._plans: list[_Plan] = []
@@ -337,7 +345,6 @@ class RadixdRadixCache(RadixCache):
                 self._drop_marker(h)
             for h in list(self._asked) + list(self._holds):
                 self._forget(h)
-            self._firsts.clear()
             self._missed.clear()
         super().reset()
 
@@ -372,33 +379,25 @@ class RadixdRadixCache(RadixCache):
         """A request entered the waiting queue: start its radixd lookup so the answer is there at admission."""
         if self.disable or not self.asynchronous or req.finished() or self.is_eagle:
             return
-        ids = _ids(req.origin_input_ids)
-        if len(req.output_ids):
-            ids = np.concatenate([ids, _ids(req.output_ids)])
-        n = len(ids) - 1  # the scheduler's key: all but the last token, whole pages
+        origin, out = req.origin_input_ids, req.output_ids
+        n = len(origin) + len(out) - 1  # the scheduler's key: all but the last token, whole pages
         n -= n % self.page_size
-        ns = dict(extra_key=req.extra_key or "", cache_salt=req.cache_salt or "")
         if n <= 0:
             return
-        if self._known_miss(req.cache_request_handle, ids[:n], ns):
-            if len(self._missed) > 65536:  # (dropped at release; this bounds any that never are)
+        ns = dict(extra_key=req.extra_key or "", cache_salt=req.cache_salt or "")
+        if self._known_miss(origin if len(origin) >= self.page_size else origin + out, ns):  # (its first page
+            if len(self._missed) > 65536:  # is all it hashes) (dropped at release; this bounds any that never are)
                 self._missed.clear()
             self._missed[req.cache_request_handle] = time.monotonic()
-        else:
-            self._ask(req.cache_request_handle, ids[:n], ns)
+            return
+        ids = _ids(origin)
+        if len(out):
+            ids = np.concatenate([ids, _ids(out)])
+        self._ask(req.cache_request_handle, ids[:n], ns)
 
-    def _known_miss(self, handle: Any, tokens: np.ndarray, ns: dict) -> bool:
-        """radixd holds not even the first page (asked at queue, match and store time: its hash is kept)."""
-        if self.index is None:
-            return False
-        first = self._firsts.get(handle)
-        if first is None:
-            first = self.index.first(tokens, ns["cache_salt"])
-            if first is not None:
-                if len(self._firsts) > 65536:  # (handles are dropped at release; this bounds any that never are)
-                    self._firsts.clear()
-                self._firsts[handle] = first
-        return self.index.known_miss(tokens, ns["cache_salt"], first)
+    def _known_miss(self, tokens: Any, ns: dict) -> bool:
+        """radixd holds not even the first page of tokens (any int sequence), by the local index."""
+        return self.index is not None and self.index.known_miss(tokens, ns["cache_salt"])
 
     def _ask(self, handle: Any, tokens: np.ndarray, ns: dict) -> None:
         self._forget(handle)
@@ -433,9 +432,13 @@ class RadixdRadixCache(RadixCache):
         if self.disable or req is None or not len(params.key):
             return base
         self._drain()
+        handle = req.cache_request_handle
+        self._drop_marker(handle)  # asked again: the newer answer wins
+        missed = self._missed.get(handle)
+        if missed is not None and time.monotonic() - missed < self.deadline:  # the local index said miss when it
+            return base  # was queued: trusted for the lookup deadline
         key = params.key.page_aligned(self.page_size)
         device_len = base.device_prefix_len
-        self._drop_marker(req.cache_request_handle)  # asked again: the newer answer wins
         if device_len >= len(key) or self.is_eagle:
             if self.asynchronous:
                 self._collect(req.cache_request_handle)  # kept for the finished pages, if it is there
@@ -458,17 +461,13 @@ class RadixdRadixCache(RadixCache):
         """radixd's path for the key when it holds more than SGLang's device prefix: from the request's hold, or
         the lookup it started when it was queued (or one started now), waited for up to the deadline. The lock
         stays with the request's hold (the receipt returned is 0)."""
-        missed = self._missed.get(handle)
-        if missed is not None:  # the local index said miss when it was queued: trusted for the lookup deadline
-            if time.monotonic() - missed < self.deadline:
-                return None, 0
-            del self._missed[handle]
+        self._missed.pop(handle, None)  # (a queue-time miss older than the deadline: asked afresh)
         tokens = _ids(key.raw_token_ids())
         hold = self._holds.get(handle)
         if hold is None or not _agree(hold.tokens, tokens):
             asked = self._asked.get(handle)
             if asked is None or not _agree(asked.tokens, tokens):
-                if self._known_miss(handle, tokens, self._ns(key)):
+                if self._known_miss(tokens, self._ns(key)):
                     self._forget(handle)
                     return None, 0
                 self._ask(handle, tokens, self._ns(key))  # none yet, or for other tokens
@@ -561,27 +560,11 @@ class RadixdRadixCache(RadixCache):
         if n == 0:
             self._drain()
             return
-        tokens = _ids(req.full_untruncated_fill_ids[:n])
         ns = dict(extra_key=req.extra_key or "", cache_salt=req.cache_salt or "")
         if self.asynchronous:
-            handle = req.cache_request_handle
-            self.inc_lock_ref(node)  # SGLang must not reuse the source slots before the copy is over
-            hold = self._collect(handle)
-            self._sid += 1
-            plan = _Plan(self._sid, node, indices[:n], tokens, ns, time.monotonic())
-            if hold is not None and _agree(hold.tokens, tokens):  # attach to what its lookup locked
-                del self._holds[handle]
-                plan.found = (hold.prefix, hold.receipt, hold.tokens)
-            elif handle in self._missed or self._known_miss(handle, tokens, ns):  # radixd has none of it (when it
-                # was queued, or now): every page goes (pages stored meanwhile by another engine are deduplicated)
-                self._forget(handle)
-                plan.found = (EMPTY, 0, tokens[:0])
-            else:  # look radixd up first
-                self._forget(handle)
-                self.lookups.submit(("store", self._sid), tokens, ns, load_back=False)
-            self._plans.append(plan)
-            self._drain()
+            self._checkpoint_async(req.cache_request_handle, node, indices[:n], req.full_untruncated_fill_ids[:n], ns)
             return
+        tokens = _ids(req.full_untruncated_fill_ids[:n])
         plan, item = None, None
         if self.lead:
             plan, item = self._plan_store(tokens, n, ns)
@@ -606,6 +589,36 @@ class RadixdRadixCache(RadixCache):
         self._stores.append(_Store(event, node, item))
         if event is None:
             self._drain()
+
+    def _checkpoint_async(self, handle: Any, node: Any, src: torch.Tensor, raw: Any, ns: dict) -> None:
+        """A finished request's store, handed on: on CPU, with radixd's prefix known (its lookup's hold, or a miss),
+        to the store thread, which converts the ids, takes slots, copies and publishes (the scheduler only pins the
+        source pages until the copy is over); else planned here once its lookup lands."""
+        self.inc_lock_ref(node)  # SGLang must not reuse the source slots before the copy is over
+        hold = self._collect(handle)
+        cpu = self._rows is not None
+        tokens = raw if cpu else _ids(raw)  # (CPU: converted on the store thread)
+        self._sid += 1
+        key = ("store", self._sid)
+        if hold is not None and (cpu or _agree(hold.tokens, tokens)):  # attach to what its lookup locked (on CPU
+            del self._holds[handle]  # the store thread checks that they agree)
+            found = (hold.prefix, hold.receipt, hold.tokens)
+        elif handle in self._missed or self._known_miss(tokens, ns):  # radixd has none of it (when it was queued,
+            # or now): every page goes (pages stored meanwhile by another engine are deduplicated)
+            self._forget(handle)
+            found = (EMPTY, 0, None)
+        else:  # look radixd up first
+            self._forget(handle)
+            tokens = _ids(tokens)
+            self.lookups.submit(key, tokens, ns, load_back=False)
+            found = None
+        if found is not None and cpu:
+            job = _CopyJob(self, src)
+            self.stores.store(key, tokens, found[0], found[1], ns, job, lookup=found[2])
+            self._stores.append(_Store(job, node, None))
+        else:
+            self._plans.append(_Plan(self._sid, node, src, tokens, ns, time.monotonic(), found))
+        self._drain()
 
     def _copy_out(self, src: torch.Tensor, dst: torch.Tensor) -> Any:
         """SGLang's KV at src into radixd's slots dst (GPU: on the side stream; its event is returned)."""
@@ -681,6 +694,11 @@ class RadixdRadixCache(RadixCache):
         prefix, receipt, prefix_tokens = p.found
         have, n = len(prefix), len(p.src)
         key = ("store", p.sid)
+        if self._rows is not None:  # CPU: the store thread takes the slots, copies, then publishes
+            job = _CopyJob(self, p.src)
+            self.stores.store(key, p.tokens, prefix, receipt, p.ns, job, lookup=prefix_tokens)
+            self._stores.append(_Store(job, p.node, None))
+            return True
         if have >= n:  # radixd has it all: finishing counts the hit as SGLang's insert would
             self.stores.hold(key, prefix, receipt)
             self.stores.release(key, prefix_tokens, p.ns)
@@ -690,12 +708,6 @@ class RadixdRadixCache(RadixCache):
         if pages is None:
             return False
         self.stored_tokens += n - have
-        if self._rows is not None:  # CPU: the store thread copies, then publishes (the scheduler only polls)
-            job = _CopyJob(self, p.src[have:n].numpy(), pages.reshape(-1))
-            self.stores.hold(key, prefix, receipt)
-            self.stores.publish(key, p.tokens[:n], have, pages, p.ns, finished=True, copy=job)
-            self._stores.append(_Store(job, p.node, None))
-            return True
         slots = np.array(pages.reshape(-1), dtype=np.int64)  # writable: torch takes it as is
         event = self._copy_out(p.src[have:n], torch.from_numpy(slots).to(self.k[0].device))
         item = dict(sid=p.sid, prefix=prefix, receipt_id=receipt, tokens=p.tokens[:n], prev_prefix_len=have,
@@ -742,14 +754,12 @@ class RadixdRadixCache(RadixCache):
         super().on_release(req, checkpointed=checkpointed)
         self._drop_marker(req.cache_request_handle)
         self._forget(req.cache_request_handle)
-        self._firsts.pop(req.cache_request_handle, None)
         self._missed.pop(req.cache_request_handle, None)
 
     def release_aborted_request(self, handle) -> None:
         super().release_aborted_request(handle)
         self._drop_marker(handle)
         self._forget(handle)
-        self._firsts.pop(handle, None)
         self._missed.pop(handle, None)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import struct
+from array import array
 from typing import Optional
 
 import numpy as np
@@ -161,7 +162,7 @@ def _page_struct(page_size: int) -> struct.Struct:
 def first_block_hash(tokens, page_size: int, cache_salt: str = "") -> int:
     """The block hash of the first page alone, in the fewest calls: the check an engine makes on each arriving
     request, on a scheduler thread whose caches the forward left cold (each call costs microseconds there)."""
-    if type(tokens) is list and _native_chain is not None and len(tokens) >= page_size:
+    if type(tokens) in (list, array) and _native_chain is not None and len(tokens) >= page_size:
         try:
             data = _page_struct(page_size).pack(*tokens[:page_size])
         except struct.error as e:
