@@ -14,6 +14,12 @@ from radixd). RPCs per step: on the scheduler thread, and on the backend's looku
 step, untimed, the bench lets those threads finish the step's round, as they would during the next forward).
 
     python bench/sglang_bench.py [--batches 1,16,128] [--prompts 256] [--length 256] [--page 16] [--events on|off]
+                                 [--repeats 3] [--forward-mb 64]
+
+Each batch size runs `--repeats` rounds, on new prompts each round, of two pairs: SGLang alone beside the miss run,
+then beside the hit run, the two runs of a pair stepped in turn so that the machine's drift hits both alike; a
+figure is the median over rounds, and the extra time the median of each pair's difference. The untimed forward streams `--forward-mb` through the
+CPU's caches, as a model's forward does (the scheduler's next calls run cache-cold, with or without the backend).
 
 Last line: RESULT sched_p50_us_<mode>_<batch>=... extra_p50_us_<mode>_<batch>=... (over SGLang's own cache)
 max_rpcs_per_step_<mode>_<batch>=...
@@ -23,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -39,8 +46,10 @@ def _python() -> str:
     raise SystemExit("no SGLang venv: run .ci/run once (it builds .venv-sglang) or set RADIXD_SGLANG_PYTHON")
 
 
-def engine_side(target: str, batch: int, prompts: int, length: int, page: int) -> dict:
-    """In SGLang's venv: both modes at one batch size, backend and plain cache; per-request times and RPCs."""
+def engine_side(target: str, batch: int, prompts: int, length: int, page: int, repeats: int = 3,
+                forward_mb: int = 64) -> dict:
+    """In SGLang's venv: at one batch size, `repeats` rounds of SGLang alone, then the backend on new prompts
+    (miss), then a fresh backend on the same prompts (hit); per-request times and RPCs, per round."""
     import random
     from array import array
 
@@ -56,8 +65,8 @@ def engine_side(target: str, batch: int, prompts: int, length: int, page: int) -
     from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
     from radixd.sglang.backend import RadixdRadixCache, hook_scheduler
 
-    rng = random.Random(5)
-    texts = [array("q", [rng.randrange(1, 30000) for _ in range(length)]) for _ in range(prompts)]
+    texts: list = []
+    scratch = np.zeros(forward_mb << 18, np.float32)  # what a forward streams through the CPU's caches
     slots = (batch + 2) * (length + page) * 2
 
     def build(backend: bool):
@@ -129,6 +138,8 @@ def engine_side(target: str, batch: int, prompts: int, length: int, page: int) -
                     kv.k_buffer[layer][new] = 1.0
                     kv.v_buffer[layer][new] = 2.0
                 r.done = True
+            if scratch.size:  # (a real forward leaves the scheduler's next calls cache-cold, backend or not)
+                np.add(scratch, 1.0, out=scratch)
 
             inside = [0.0]
 
@@ -160,12 +171,13 @@ def engine_side(target: str, batch: int, prompts: int, length: int, page: int) -
             after = (getattr(cache, "rpcs", 0), *((cache.lookups.rpcs, cache.stores.rpcs) if backend else (0, 0)))
             steps.append(tuple(a - b for a, b in zip(after, before)))
             cache.evict(EvictParams(num_tokens=cache.evictable_size()))  # room for the next step's prompts
+            yield None  # (the paired run's step next)
         loaded = getattr(cache, "loaded_tokens", 0)
         if backend:
             cache.settle()
             cache.shutdown()
         s = sorted(spent)
-        return dict(p50_us=s[len(s) // 2] * 1e6, p99_us=s[min(len(s) - 1, int(0.99 * len(s)))] * 1e6,
+        yield dict(p50_us=s[len(s) // 2] * 1e6, p99_us=s[min(len(s) - 1, int(0.99 * len(s)))] * 1e6,
                     max_rpcs=max(x[0] for x in steps), mean_rpcs=float(np.mean([x[0] for x in steps])),
                     max_bg=max(x[1] + x[2] for x in steps), mean_bg=float(np.mean([x[1] + x[2] for x in steps])),
                     loaded=loaded, phases_us={k: v / prompts * 1e6 for k, v in phases.items()})
@@ -173,10 +185,23 @@ def engine_side(target: str, batch: int, prompts: int, length: int, page: int) -
     from sglang.srt.runtime_context import publish
     from sglang.srt.server_args import ServerArgs
     publish(ServerArgs(model_path="dummy", device="cpu", page_size=page), role="scheduler")
-    out = {"plain": run(False, "p")}
-    out["miss"] = run(True, "a")  # radixd cold: every request stores
-    out["hit"] = run(True, "b")  # a fresh engine: every request loads from radixd
-    return out
+    def paired(plain, backend) -> tuple[dict, dict]:
+        """Two runs step by step in turn (SGLang alone, then the backend), so that drift hits both alike."""
+        a = b = None
+        while a is None or b is None:
+            a, b = a or next(plain), b or next(backend)
+        return a, b
+
+    rounds: dict[str, list] = {"plain_miss": [], "miss": [], "plain_hit": [], "hit": []}
+    for k in range(repeats):
+        rng = random.Random(5 + k)
+        texts[:] = [array("q", [rng.randrange(1, 30000) for _ in range(length)]) for _ in range(prompts)]
+        for mode, tag in (("miss", "a"), ("hit", "b")):  # miss: radixd has none of these prompts, every request
+            # stores; hit: a fresh engine on the same prompts, every request loads
+            plain, ours = paired(run(False, f"p{k}{tag}-"), run(True, f"{tag}{k}-"))
+            rounds[f"plain_{mode}"].append(plain)
+            rounds[mode].append(ours)
+    return rounds
 
 
 def main() -> None:
@@ -187,10 +212,14 @@ def main() -> None:
     ap.add_argument("--page", type=int, default=16)
     ap.add_argument("--events", default="on", choices=["on", "off"],
                     help="radixd's --kv-events: on, the backend answers misses from its local index (no lookup)")
+    ap.add_argument("--repeats", type=int, default=3, help="rounds of the three runs, interleaved (medians)")
+    ap.add_argument("--forward-mb", type=int, default=64,
+                    help="MB the untimed forward streams through the CPU's caches each step (0: none)")
     ap.add_argument("--engine", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.engine:
-        print(json.dumps(engine_side(args.engine, int(args.batches), args.prompts, args.length, args.page)))
+        print(json.dumps(engine_side(args.engine, int(args.batches), args.prompts, args.length, args.page,
+                                     args.repeats, args.forward_mb)))
         return
     sys.path.insert(0, str(ROOT))
     from tests.conftest import ServerProc
@@ -205,24 +234,33 @@ def main() -> None:
                          "--dtype", "float32", *(("--kv-events",) if args.events == "on" else ()))
         try:
             r = subprocess.run([py, __file__, "--engine", srv.target, "--batches", str(batch), "--prompts",
-                                str(prompts), "--length", str(args.length), "--page", str(args.page)],
+                                str(prompts), "--length", str(args.length), "--page", str(args.page), "--repeats",
+                                str(args.repeats), "--forward-mb", str(args.forward_mb)],
                                capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ""}, timeout=1800)
         finally:
             srv.stop()
         if r.returncode != 0:
             raise SystemExit(r.stdout[-2000:] + r.stderr[-4000:])
-        res = json.loads(r.stdout.strip().splitlines()[-1])
-        base = res["plain"]["p50_us"]
+        rounds = json.loads(r.stdout.strip().splitlines()[-1])
         for mode in ("miss", "hit"):
-            m = res[mode]
-            print(f"{batch:5d} {mode:>5} {m['p50_us']:8.0f} {m['p99_us']:8.0f} {base:16.0f} {m['p50_us'] - base:9.0f} "
-                  f"{m['max_rpcs']:13d} {m['mean_rpcs']:5.2f} {m['max_bg']:24d} {m['mean_bg']:5.2f} {m['loaded']:7d}")
-            results[f"sched_p50_us_{mode}_{batch}"] = m["p50_us"]
-            results[f"extra_p50_us_{mode}_{batch}"] = m["p50_us"] - base
-            results[f"max_rpcs_per_step_{mode}_{batch}"] = m["max_rpcs"]
-            print(f"{'':11} per request, mean us: " + ", ".join(f"{k} {v:.0f}" for k, v in m["phases_us"].items())
-                  + "   (SGLang alone: " + ", ".join(f"{k} {v:.0f}" for k, v in res["plain"]["phases_us"].items()
-                                                  if v) + ")")
+            ms, plains = rounds[mode], rounds[f"plain_{mode}"]
+            base = statistics.median(x["p50_us"] for x in plains)
+            p50 = statistics.median(x["p50_us"] for x in ms)
+            p99 = statistics.median(x["p99_us"] for x in ms)
+            extras = [m["p50_us"] - b["p50_us"] for m, b in zip(ms, plains)]  # each against its own pair
+            extra = statistics.median(extras)
+            mx, mean = max(x["max_rpcs"] for x in ms), statistics.mean(x["mean_rpcs"] for x in ms)
+            mx_bg, mean_bg = max(x["max_bg"] for x in ms), statistics.mean(x["mean_bg"] for x in ms)
+            print(f"{batch:5d} {mode:>5} {p50:8.0f} {p99:8.0f} {base:16.0f} {extra:9.0f} "
+                  f"{mx:13d} {mean:5.2f} {mx_bg:24d} {mean_bg:5.2f} {min(x['loaded'] for x in ms):7d}")
+            results[f"sched_p50_us_{mode}_{batch}"] = p50
+            results[f"extra_p50_us_{mode}_{batch}"] = extra
+            results[f"max_rpcs_per_step_{mode}_{batch}"] = mx
+
+            def phases(runs: list) -> str:
+                return ", ".join(f"{k} {statistics.mean(x['phases_us'][k] for x in runs):.0f}" for k in runs[0]["phases_us"])
+            print(f"{'':11} extra p50 per round: {', '.join(f'{e:.0f}' for e in extras)}; per request, mean us: "
+                  f"{phases(ms)}   (SGLang alone: {phases(plains)})")
     print("RESULT " + " ".join(f"{k}={v:.3f}" for k, v in results.items()))
 
 
