@@ -44,6 +44,7 @@ import time
 from array import array
 from collections import deque
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
@@ -99,11 +100,17 @@ def _pages(slots: np.ndarray, page: int) -> Optional[np.ndarray]:
     them out), or None."""
     if len(slots) % page:
         return None
-    rows = slots.reshape(-1, page)
-    first = rows[:, 0]
-    if (first % page).any() or page > 1 and ((rows - first[:, None]) != np.arange(page)).any():
-        return None
-    return first // page
+    first = slots[::page]
+    at, off = np.divmod(first, page)
+    if off.any() or page > 1 and \
+            (first[:, None] + _offsets(page)).tobytes() != slots.astype(np.int64, copy=False).tobytes():
+        return None  # (bytes compared: a third of the numpy calls of an elementwise check, on a cold thread)
+    return at
+
+
+@lru_cache(maxsize=None)
+def _offsets(page: int) -> np.ndarray:
+    return np.arange(page, dtype=np.int64)
 
 
 def _copy_pages(src: list[np.ndarray], at: np.ndarray, dst: list[np.ndarray], to: np.ndarray) -> None:
