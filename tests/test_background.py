@@ -96,6 +96,54 @@ def test_a_release_in_the_round_of_its_publish_is_one_cachefinished():
         assert probe.check() == []
 
 
+def test_a_step_of_stores_is_planned_on_the_store_thread_in_one_round():
+    """`Stores.store` (an engine hands a finished request over with radixd's prefix, if any, and the thread does the
+    rest): one step's four stores (a miss, a full hit, a partial hit, one whose lookup was for other tokens) go in one
+    round of one Alloc (the stock was empty), one CacheFinished and one Unlock (the stale lookup's lock). Each copy is
+    called once, for exactly the pages beyond radixd's prefix (None for the full hit), and radixd ends up holding
+    every prompt, the partial hit's new pages in the slots its copy was given, with no lock and nothing held."""
+    with _engine(64) as (srv, c, probe, stores, lookups):
+        stores.stepped = True
+        prompts = {k: np.arange(100 * i, 100 * i + n * PAGE, dtype=np.int32)
+                   for i, (k, n) in enumerate([("miss", 2), ("hit", 2), ("part", 3), ("stale", 2), ("other", 1)], 1)}
+        for k, n in (("hit", 8), ("part", 4), ("other", 4)):
+            c.cache_finished([dict(tokens=prompts[k][:n], indices=c.alloc(n))])
+        locked = {k: c.match_prefix(prompts[k], lock=True) for k in ("hit", "part", "other")}
+        _settle(stores)
+        before = _calls(srv)
+        copies: dict[str, list] = {}
+
+        def copier(k: str):
+            def copy(start: int, slots):
+                if k not in copies:
+                    copies[k] = [start, None if slots is None else np.array(slots)]
+                return slots is not None
+            return copy
+        stores.store("miss", prompts["miss"], np.zeros(0, np.int64), 0, {}, copier("miss"))
+        m = locked["hit"]
+        stores.store("hit", prompts["hit"], m.indices, m.receipt_id, {}, copier("hit"), lookup=prompts["hit"])
+        m = locked["part"]
+        stores.store("part", prompts["part"], m.indices, m.receipt_id, {}, copier("part"), lookup=prompts["part"])
+        m = locked["other"]  # looked up for other tokens than the request finished with
+        stores.store("stale", prompts["stale"], m.indices, m.receipt_id, {}, copier("stale"), lookup=prompts["other"])
+        stores.flush()  # the step's end
+        _settle(stores)
+        after = _calls(srv)
+        assert {k: after.get(k, 0) - before.get(k, 0) for k in ("Alloc", "CacheFinished", "Unlock")} == \
+            dict(Alloc=1, CacheFinished=1, Unlock=1), (before, after)
+        assert copies["hit"] == [8, None]
+        for k, start in (("miss", 0), ("part", PAGE), ("stale", 0)):
+            assert copies[k][0] == start and len(copies[k][1]) == len(prompts[k]) - start, k
+            got = probe.match_prefix(prompts[k])
+            assert got.matched_len == len(prompts[k]), k
+            assert got.indices[start:].tolist() == copies[k][1].tolist(), k
+        assert probe.match_prefix(prompts["hit"]).matched_len == 8
+        assert probe.match_prefix(prompts["other"]).matched_len == PAGE
+        s = probe.stats()
+        assert s["receipts"] == 0 and s["held_tokens"] == stores.stocked(), s
+        assert probe.check() == []
+
+
 def test_the_slot_stock_grows_so_one_alloc_serves_many_stores_and_never_past_an_eighth_of_the_server():
     """A steady stream of stores: the stock doubles at each refill up to slot_stock_tokens, so Allocs become rare;
     on a server whose eighth is smaller, the stock stops there (slots held ready must not crowd out the cache)."""
