@@ -14,11 +14,11 @@ engine on the node shares (one radixd session per engine: a dead engine loses it
                    SGLang's k_buffer / v_buffer, the path inserted into SGLang's tree, radixd's lock released;
   checkpoint       SGLang's own bookkeeping; a finished request's path is pinned in SGLang's tree and looked up
                    in radixd on the lookup thread (unless its queued lookup already locked radixd's prefix, or the
-                   local index said radixd has none of it); once radixd's prefix is known its new whole pages get
-                   slots from a stock of held radixd slots and are copied and published (CacheFinished) off the
-                   scheduler thread: on GPU the copy runs on a side stream and is published once its event
-                   completed; on CPU the store thread does it all (the ids, the slots, the copy: numpy, a page per
-                   index, then the publish) and the scheduler only unpins the path once the copy is over;
+                   local index said radixd has none of it); once radixd's prefix is known the store thread does
+                   the rest with the step's other stores: the ids, slots from a stock of held radixd slots, the copy
+                   (CPU: numpy, a page per index; GPU: on a side stream, after an event the scheduler recorded when
+                   the request finished) and then one CacheFinished; the scheduler unpins the path once the copy is
+                   over;
   end_step         (wrapped around the scheduler's `process_batch_result`) the step's stores go to radixd in one
                    round: one CacheFinished for all of them. SGLang has no tick for a backend, so the rest
                    progresses in match_prefix, checkpoint, evict, end_step and check_hicache_events (and `settle`
@@ -140,11 +140,12 @@ class _Marker:
 
 
 class _CopyJob:
-    """A store's CPU copy, run by the store thread once it has planned the store (`Stores.store`), before it
-    publishes; the scheduler polls it as a CUDA event."""
+    """A store's copy, SGLang's pages into radixd's slots, run by the store thread once it has planned the store
+    (`Stores.store`) and before it publishes; the scheduler polls it as a CUDA event. On GPU it runs on the side
+    stream once the scheduler's stream reached `after` (recorded when the request finished: its forward wrote the KV)."""
 
-    def __init__(self, cache: "RadixdRadixCache", src: Any):
-        self.cache, self.src = cache, src  # SGLang's slots of the request's whole pages (a tensor), root first
+    def __init__(self, cache: "RadixdRadixCache", src: Any, after: Any = None):
+        self.cache, self.src, self.after = cache, src, after  # src: SGLang's slots of the whole pages, root first
         self.done = False
         self._running = threading.Lock()  # held until the copy is over (a bare lock: an Event costs 10x more here)
         self._running.acquire()
@@ -156,8 +157,10 @@ class _CopyJob:
         try:
             if dst is None:
                 return False
-            src = np.asarray(self.src[start:start + len(dst)], dtype=np.int64)
-            if not self.cache._copy_cpu(True, src, dst):
+            src = self.src[start:start + len(dst)]
+            if self.cache.cuda:
+                self.cache._copy_gpu(src, dst, self.after)
+            elif not self.cache._copy_cpu(True, np.asarray(src, dtype=np.int64), dst):
                 self.cache._copy_slots(src, dst)
             self.cache.stored_tokens += len(dst)
             return True
@@ -178,11 +181,10 @@ class _CopyJob:
 
 @dataclass
 class _Store:
-    """A finished request's pages on their way into radixd (GPU: waiting for the copy's event)."""
+    """A finished request's pages on their way into radixd: its path stays pinned until the copy is over."""
 
-    event: Any
+    job: _CopyJob
     node: Any
-    item: dict
 
 
 @dataclass
@@ -192,10 +194,10 @@ class _Plan:
     sid: int
     node: Any
     src: torch.Tensor  # SGLang slots of the whole pages, root first
-    tokens: np.ndarray
+    tokens: np.ndarray  # (radixd's int32, as looked up)
     ns: dict
     asked: float
-    found: Optional[tuple] = None  # (radixd's locked prefix, receipt, its tokens) once known
+    job: _CopyJob
 
 
 @dataclass
@@ -309,30 +311,23 @@ class RadixdRadixCache(RadixCache):
             self._unlock(m.receipt)
 
     def _drain(self, wait: bool = False) -> None:
-        """Copy the stores whose radixd lookup landed, publish those whose copy completed (all with wait)."""
-        if wait and self.asynchronous:
-            self.stores.flush()  # (a CPU copy runs in the store thread's next round)
+        """Hand the stores whose radixd lookup landed to the store thread; unpin the paths whose copy is over (with
+        wait: every store, its lookup waited for up to the deadline)."""
         if self._plans:
             self._copy_planned(wait)
+        if wait and self.asynchronous:
+            self.stores.flush()  # (the copies run in the store thread's next round)
         stores = self._stores
-        while stores:  # copies complete in the order they were queued (one stream, one store thread)
+        while stores:  # copies complete in the order they were queued (one store thread)
             st = stores[0]
-            if st.event is not None and not wait and not st.event.query():
+            if not wait and not st.job.query():
                 break
             stores.popleft()
-            if st.event is not None:
-                st.event.synchronize()
-            if st.item is not None:
-                self._publish(st.item)
+            st.job.synchronize()
             self.dec_lock_ref(st.node)
 
     def _publish(self, item: dict) -> None:
-        if self.asynchronous:  # the store thread publishes it (locks the longer prefix) and then releases it
-            key = ("store", item["sid"])
-            self.stores.hold(key, item["prefix"], item["receipt_id"])
-            self.stores.publish(key, item["tokens"], item["prev_prefix_len"], item["slots"], item["ns"],
-                                finished=True)
-            return
+        """Lead rank (TP): the store's CacheFinished, here."""
         try:
             self.rpcs += 1
             self.client.cache_finished([item])
@@ -582,66 +577,60 @@ class RadixdRadixCache(RadixCache):
         dst = torch.from_numpy(slots).to(self.k[0].device)
         src = indices[have:n]
         self.stored_tokens += n - have
-        if self.tp_size > 1:  # every rank writes its heads, then the lead publishes
-            sh = self.shard
-            for i in range(len(self.k)):
-                self.rk[i][dst, sh] = self.k[i][src]
-                self.rv[i][dst, sh] = self.v[i][src]
-            self._barrier()
-            if self.lead:
-                self._publish(item)
-            return
-        event = self._copy_out(src, dst)
-        self.inc_lock_ref(node)  # SGLang must not reuse the source slots before the copy is over
-        self._stores.append(_Store(event, node, item))
-        if event is None:
-            self._drain()
+        sh = self.shard  # (TP: every rank writes its heads, then the lead publishes)
+        for i in range(len(self.k)):
+            self.rk[i][dst, sh] = self.k[i][src]
+            self.rv[i][dst, sh] = self.v[i][src]
+        self._barrier()
+        if self.lead:
+            self._publish(item)
 
     def _checkpoint_async(self, handle: Any, node: Any, src: torch.Tensor, raw: Any, ns: dict) -> None:
-        """A finished request's store, handed on: on CPU, with radixd's prefix known (its lookup's hold, or a miss),
-        to the store thread, which converts the ids, takes slots, copies and publishes (the scheduler only pins the
-        source pages until the copy is over); else planned here once its lookup lands."""
+        """A finished request's store, handed to the store thread once radixd's prefix is known (its lookup's hold,
+        or a miss; else when the lookup started here lands): that thread converts the ids, takes slots, copies and
+        publishes, and the scheduler only pins the source pages until the copy is over."""
         self.inc_lock_ref(node)  # SGLang must not reuse the source slots before the copy is over
+        after = None
+        if self.cuda:  # the copy follows everything queued on the scheduler's stream so far (the forward)
+            after = torch.cuda.Event()
+            after.record()
+        job = _CopyJob(self, src, after)
         hold = self._collect(handle)
-        cpu = self._rows is not None
-        tokens = raw if cpu else _ids(raw)  # (CPU: converted on the store thread)
         self._sid += 1
         key = ("store", self._sid)
-        if hold is not None and (cpu or _agree(hold.tokens, tokens)):  # attach to what its lookup locked (on CPU
-            del self._holds[handle]  # the store thread checks that they agree)
-            found = (hold.prefix, hold.receipt, hold.tokens)
-        elif handle in self._missed or self._known_miss(tokens, ns):  # radixd has none of it (when it was queued,
-            # or now): every page goes (pages stored meanwhile by another engine are deduplicated)
+        if hold is not None:  # attach to what its lookup locked (the store thread checks that they agree)
+            del self._holds[handle]
+            self._hand_over(key, raw, hold.prefix, hold.receipt, ns, job, node, hold.tokens)
+        elif handle in self._missed or self._known_miss(raw, ns):  # radixd has none of it (when it was queued, or
+            # now): every page goes (pages stored meanwhile by another engine are deduplicated)
             self._forget(handle)
-            found = (EMPTY, 0, None)
+            self._hand_over(key, raw, EMPTY, 0, ns, job, node)
         else:  # look radixd up first
             self._forget(handle)
-            tokens = _ids(tokens)
+            tokens = _ids(raw)
             self.lookups.submit(key, tokens, ns, load_back=False)
-            found = None
-        if found is not None and cpu:
-            job = _CopyJob(self, src)
-            self.stores.store(key, tokens, found[0], found[1], ns, job, lookup=found[2])
-            self._stores.append(_Store(job, node, None))
-        else:
-            self._plans.append(_Plan(self._sid, node, src, tokens, ns, time.monotonic(), found))
+            self._plans.append(_Plan(self._sid, node, src, tokens, ns, time.monotonic(), job))
         self._drain()
 
-    def _copy_out(self, src: torch.Tensor, dst: torch.Tensor) -> Any:
-        """SGLang's KV at src into radixd's slots dst (GPU: on the side stream; its event is returned)."""
-        if not self.cuda and self._copy_cpu(True, src.numpy(), dst.numpy()):
-            return None
-        if not self.cuda:
-            self._copy_slots(src, dst)
-            return None
-        self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):
-            for i in range(len(self.k)):
-                self.rk[i].index_copy_(0, dst, self.k[i].index_select(0, src))
-                self.rv[i].index_copy_(0, dst, self.v[i].index_select(0, src))
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        return event
+    def _hand_over(self, key: Any, tokens: Any, prefix: np.ndarray, receipt: int, ns: dict, job: _CopyJob, node: Any,
+                   lookup: Optional[np.ndarray] = None) -> None:
+        self.stores.store(key, tokens, prefix, receipt, ns, job, lookup=lookup)
+        self._stores.append(_Store(job, node))
+
+    def _copy_gpu(self, src: torch.Tensor, dst: np.ndarray, after: Any) -> None:
+        """GPU, on the store thread: SGLang's KV at src into radixd's slots dst, on the side stream once the
+        scheduler's stream reached `after`; returns once the copy is over."""
+        dev = self.k[0].device
+        with torch.cuda.device(dev):  # (the current device is per thread)
+            if after is not None:
+                self.stream.wait_event(after)
+            with torch.cuda.stream(self.stream):
+                d = torch.from_numpy(np.array(dst, dtype=np.int64)).to(dev)
+                s = src.to(dev, torch.int64)
+                for i in range(len(self.k)):
+                    self.rk[i].index_copy_(0, d, self.k[i].index_select(0, s))
+                    self.rv[i].index_copy_(0, d, self.v[i].index_select(0, s))
+            self.stream.synchronize()
 
     def _copy_slots(self, src: Any, dst: Any) -> None:
         """CPU: SGLang's KV at slots src into radixd's at dst, slot by slot (torch's index ops)."""
@@ -663,64 +652,22 @@ class RadixdRadixCache(RadixCache):
         return True
 
     def _copy_planned(self, wait: bool) -> None:
-        """Planned stores whose radixd prefix is known and for which the stock has slots: the copy started, the
-        publish queued behind it. With `wait`, waits for lookups and refills up to the deadline; a store past
-        the deadline is dropped."""
-        keep, short = [], False
+        """Planned stores whose radixd lookup landed, handed to the store thread. With `wait`, waits for the lookups
+        up to the deadline; a store past the deadline is dropped."""
+        keep = []
         for p in self._plans:
             left = self.deadline - (time.monotonic() - p.asked)
-            if p.found is None:
-                key = ("store", p.sid)
-                res = self.lookups.take(key, max(left, 0.0) if wait else 0.0)
-                if res is not None:
-                    p.found = (np.asarray(res[0], dtype=np.int64), res[1], p.tokens)
-                elif left > 0 and not wait:
-                    keep.append(p)
-                    continue
-                else:
-                    self.lookups.drop(key)
-                    log.info("radixd store lookup took longer than %.0f ms: not stored", self.deadline * 1e3)
-                    self.dec_lock_ref(p.node)
-                    continue
-            if short and left > 0 and not wait:  # the stock ran short for an earlier store: this one waits too
+            key = ("store", p.sid)
+            res = self.lookups.take(key, max(left, 0.0) if wait else 0.0)
+            if res is not None:
+                self._hand_over(key, p.tokens, np.asarray(res[0], dtype=np.int64), res[1], p.ns, p.job, p.node)
+            elif left > 0 and not wait:
                 keep.append(p)
-                continue
-            if not self._store(p, wait_s=max(left, 0.0) if wait else 0.0):
-                short = True
-                if left > 0 and not wait:
-                    keep.append(p)
-                else:
-                    log.info("radixd had no slots for a store within %.0f ms: not stored", self.deadline * 1e3)
-                    self._unlock(p.found[1])
-                    self.dec_lock_ref(p.node)
+            else:
+                self.lookups.drop(key)
+                log.info("radixd store lookup took longer than %.0f ms: not stored", self.deadline * 1e3)
+                self.dec_lock_ref(p.node)
         self._plans = keep
-
-    def _store(self, p: _Plan, wait_s: float = 0.0) -> bool:
-        """A finished request's pages beyond radixd's locked prefix into slots from the stock, the copy started
-        and the publish queued behind it (`_drain`); False while the stock is short (the store waits)."""
-        prefix, receipt, prefix_tokens = p.found
-        have, n = len(prefix), len(p.src)
-        key = ("store", p.sid)
-        if self._rows is not None:  # CPU: the store thread takes the slots, copies, then publishes
-            job = _CopyJob(self, p.src)
-            self.stores.store(key, p.tokens, prefix, receipt, p.ns, job, lookup=prefix_tokens)
-            self._stores.append(_Store(job, p.node, None))
-            return True
-        if have >= n:  # radixd has it all: finishing counts the hit as SGLang's insert would
-            self.stores.hold(key, prefix, receipt)
-            self.stores.release(key, prefix_tokens, p.ns)
-            self.dec_lock_ref(p.node)
-            return True
-        pages = self.stores.take_pages((n - have) // self.page_size, wait_s)
-        if pages is None:
-            return False
-        self.stored_tokens += n - have
-        slots = np.array(pages.reshape(-1), dtype=np.int64)  # writable: torch takes it as is
-        event = self._copy_out(p.src[have:n], torch.from_numpy(slots).to(self.k[0].device))
-        item = dict(sid=p.sid, prefix=prefix, receipt_id=receipt, tokens=p.tokens[:n], prev_prefix_len=have,
-                    slots=slots, ns=p.ns)
-        self._stores.append(_Store(event, p.node, item))
-        return True
 
     def _plan_store(self, tokens: np.ndarray, n: int, ns: dict) -> tuple[Optional[tuple], Optional[dict]]:
         """Lead rank (TP): lock radixd's prefix and hold slots for the rest; ((have, slots), the publish item)."""
