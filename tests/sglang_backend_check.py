@@ -330,6 +330,40 @@ def scenario_abort_and_unused_markers_release_radixd_locks(c: CacheClient) -> No
     b.cache.shutdown()
 
 
+def scenario_a_lock_outlives_a_queued_load_back_copy(c: CacheClient) -> None:
+    """GPU: a load-back copy is queued on the scheduler's stream, not waited for; a request aborted before it ran
+    keeps radixd's pages locked until its event completes. CPU copies are done on return (no event is kept), so
+    the event here is a stand-in with CUDA's query/synchronize: what is checked is the backend's bookkeeping."""
+    class Pending:
+        done = False
+
+        def query(self) -> bool:
+            return self.done
+
+        def synchronize(self) -> None:
+            self.done = True
+    a, b = Engine(), Engine()
+    prompt = [random.randrange(5000, 6000) for _ in range(24)]
+    publish(c, a, "q1", prompt)
+    rb = b.request("q2", prompt + [3])
+    b.cache.queued(rb)
+    m = b.cache.match_prefix(MatchPrefixParams(key=_key(rb), req=rb))
+    loaded, _ = b.cache.init_load_back(InitLoadBackParams(m.best_match_node, m.host_hit_length, req=rb))
+    assert loaded == 24 and not b.cache._loading  # (CPU: copied on return)
+    copy = b.cache._loading[rb.cache_request_handle] = Pending()
+    b.cache.release_aborted_request(rb.cache_request_handle)  # aborted before its forward (and the copy) ran
+    b.cache._drain()
+    b.cache.stores.wait_idle(5)
+    assert c.stats()["receipts"] == 1  # still locked: the copy has not read radixd's pages yet
+    copy.done = True
+    b.cache._drain()
+    b.cache.stores.wait_idle(5)
+    assert c.stats()["receipts"] == 0
+    settled(c, a, b)
+    a.cache.shutdown()
+    b.cache.shutdown()
+
+
 def scenario_a_stopped_radixd_costs_a_miss_at_the_deadline(c: CacheClient) -> None:
     """radixd stopped (SIGSTOP) while a request is queued: its match waits no longer than the deadline, reports
     no radixd hit, and the lookup's lock is released once radixd answers again."""

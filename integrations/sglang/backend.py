@@ -11,7 +11,9 @@ engine on the node shares (one radixd session per engine: a dead engine loses it
                    beyond SGLang's device prefix is reported as `host_hit_length`, so the scheduler calls
                    init_load_back;
   init_load_back   all or nothing: SGLang slots (evicting locally if short), radixd's pages copied into
-                   SGLang's k_buffer / v_buffer, the path inserted into SGLang's tree, radixd's lock released;
+                   SGLang's k_buffer / v_buffer, the path inserted into SGLang's tree; radixd's lock stays with the
+                   request (GPU: the copy is queued on the scheduler's stream, not waited for, and a lock released
+                   before it ran waits for its event);
   checkpoint       SGLang's own bookkeeping; a finished request's path is pinned in SGLang's tree and looked up
                    in radixd on the lookup thread (unless its queued lookup already locked radixd's prefix, or the
                    local index said radixd has none of it); once radixd's prefix is known the store thread does
@@ -269,6 +271,8 @@ class RadixdRadixCache(RadixCache):
         self._asked: dict[Any, _Asked] = {}
         self._missed: dict[Any, float] = {}  # requests the local index called a miss when queued: when
         self._holds: dict[Any, _Hold] = {}
+        self._loading: dict[Any, Any] = {}  # GPU: a request's load-back copy (its CUDA event), until its lock may go
+        self._after_copy: deque[tuple[Any, int]] = deque()  # (event, receipt): unlocked once the copy read the pages
         self._plans: list[_Plan] = []
         self._sid = 0
         if self.asynchronous:
@@ -315,6 +319,11 @@ class RadixdRadixCache(RadixCache):
         wait: every store, its lookup waited for up to the deadline)."""
         if self._plans:
             self._copy_planned(wait)
+        after = self._after_copy
+        while after and (wait or after[0][0].query()):  # load-back copies in stream order
+            event, receipt = after.popleft()
+            event.synchronize()
+            self._unlock(receipt)
         if wait and self.asynchronous:
             self.stores.flush()  # (the copies run in the store thread's next round)
         stores = self._stores
@@ -368,6 +377,7 @@ class RadixdRadixCache(RadixCache):
             self._drop_marker(h)
         for h in list(self._asked) + list(self._holds):
             self._forget(h)
+        self._drain(wait=True)  # (locks held back for a queued load-back copy)
         if self.index is not None:
             self.index.close()
         if self.asynchronous:
@@ -412,7 +422,15 @@ class RadixdRadixCache(RadixCache):
             self.lookups.drop(handle)
         hold = self._holds.pop(handle, None)
         if hold is not None:
-            self._unlock(hold.receipt)
+            self._unlock_after_load(handle, hold.receipt)
+
+    def _unlock_after_load(self, handle: Any, receipt: int) -> None:
+        """Release a hold's lock, once the request's load-back copy (GPU, still queued) has read radixd's pages."""
+        event = self._loading.pop(handle, None)
+        if event is not None and not event.query():
+            self._after_copy.append((event, receipt))
+        else:
+            self._unlock(receipt)
 
     def _collect(self, handle: Any, wait: float = 0.0) -> Optional[_Hold]:
         """The request's hold, taking its lookup's answer if it landed (within `wait`)."""
@@ -423,7 +441,7 @@ class RadixdRadixCache(RadixCache):
                 del self._asked[handle]
                 old = self._holds.pop(handle, None)
                 if old is not None:
-                    self._unlock(old.receipt)
+                    self._unlock_after_load(handle, old.receipt)
                 self._holds[handle] = _Hold(asked.tokens, np.asarray(res[0], dtype=np.int64), res[1])
         return self._holds.get(handle)
 
@@ -535,7 +553,10 @@ class RadixdRadixCache(RadixCache):
                 for i in range(len(self.k)):  # index_select / index_copy_: several times faster than indexing
                     self.k[i].index_copy_(0, dst, self.rk[i].index_select(0, src)[:, sh])
                     self.v[i].index_copy_(0, dst, self.rv[i].index_select(0, src)[:, sh])
-            if self.cuda:
+            if self.cuda and self.asynchronous and not marker.receipt:  # the lock stays with the request's hold,
+                self._loading[req.cache_request_handle] = event = torch.cuda.Event()  # released once this copy
+                event.record()  # has read radixd's pages (no wait here for the queued forward)
+            elif self.cuda:
                 torch.cuda.current_stream().synchronize()  # radixd may evict its pages once unlocked
             self._barrier()  # every rank has its heads before the lead releases radixd's lock
             end = marker.device_len + n
@@ -598,8 +619,9 @@ class RadixdRadixCache(RadixCache):
         hold = self._collect(handle)
         self._sid += 1
         key = ("store", self._sid)
-        if hold is not None:  # attach to what its lookup locked (the store thread checks that they agree)
-            del self._holds[handle]
+        if hold is not None:  # attach to what its lookup locked (the store thread checks that they agree; its copy
+            del self._holds[handle]  # follows any load-back copy, as `after` does)
+            self._loading.pop(handle, None)
             self._hand_over(key, raw, hold.prefix, hold.receipt, ns, job, node, hold.tokens)
         elif handle in self._missed or self._known_miss(raw, ns):  # radixd has none of it (when it was queued, or
             # now): every page goes (pages stored meanwhile by another engine are deduplicated)
