@@ -4,17 +4,22 @@ the same operations in the same run.
 
 SGLang's scheduler does not run on CPU here, so its calls are driven as it makes them, on SGLang 0.5.23's own
 cache classes and CPU KV pools (in `.venv-sglang`, built by .ci/run; or RADIXD_SGLANG_PYTHON), in the order of
-SGLang's scheduler loop, through the two scheduler methods the backend hooks: a step queues --batch requests
-(`_add_request_to_queue`: the backend's `queued`), forms the batch (match_prefix, init_load_back on a radixd hit,
-slots), runs "the forward" (not timed: it writes each request's KV) and processes its results
-(`process_batch_result`: each request checkpointed finished and released, then the backend's `end_step`).
-Timed: every cache call of a request (a step-wide call's time shared by its requests). Two modes: "miss" (radixd
-cold: every request stores its pages) and "hit" (a fresh engine on the same prompts: every request loads them
-from radixd). RPCs per step: on the scheduler thread, and on the backend's lookup and store threads (after each
-step, untimed, the bench lets those threads finish the step's round, as they would during the next forward).
+SGLang's scheduler loop, through the three scheduler methods the backend hooks: a step queues --batch requests
+(`_add_request_to_queue`: the backend's `queued`), forms the batch (`get_new_batch_prefill`: the waiting requests
+admitted, each matched, loaded back on a radixd hit and given slots; the backend holds back a request whose lookup
+is still out while the engine runs others, and copies the pass's load-backs at its end), runs "the forward" (not
+timed: it writes the admitted requests' KV) and processes its results (`process_batch_result`: the requests
+finishing this step checkpointed and released, then the backend's `end_step`). A request runs --decode-steps steps
+after its prefill step, so the engine has other work when the next step's requests arrive (0: it is idle then, and
+a pass waits for their lookups: "idle" time, left out of the "busy" figures as in bench/vllm_bench.py).
+Timed: every cache call of a request, its slots' allocation included (a pass-wide or step-wide call's time shared
+by the requests it served). Two modes: "miss" (radixd cold: every request stores its pages) and "hit" (a fresh
+engine on the same prompts: every request loads them from radixd). RPCs per step: on the scheduler thread, and on
+the backend's lookup and store threads (after each step, untimed, the bench lets those threads finish the step's
+round, as they would during the next forward).
 
     python bench/sglang_bench.py [--batches 1,16,128] [--prompts 256] [--length 256] [--page 16] [--events on|off]
-                                 [--repeats 3] [--forward-mb 64]
+                                 [--repeats 3] [--forward-mb 64] [--decode-steps 1]
 
 Each batch size runs `--repeats` rounds, on new prompts each round, of two pairs: SGLang alone beside the miss run,
 then beside the hit run, the two runs of a pair stepped in turn so that the machine's drift hits both alike; a
@@ -22,6 +27,7 @@ figure is the median over rounds, and the extra time the median of each pair's d
 CPU's caches, as a model's forward does (the scheduler's next calls run cache-cold, with or without the backend).
 
 Last line: RESULT sched_p50_us_<mode>_<batch>=... extra_p50_us_<mode>_<batch>=... (over SGLang's own cache)
+busy_extra_p50_us_<mode>_<batch>=... (less idle waits)
 max_rpcs_per_step_<mode>_<batch>=...
 """
 from __future__ import annotations
@@ -47,7 +53,7 @@ def _python() -> str:
 
 
 def engine_side(target: str, batch: int, prompts: int, length: int, page: int, repeats: int = 3,
-                forward_mb: int = 64) -> dict:
+                forward_mb: int = 64, decode_steps: int = 1) -> dict:
     """In SGLang's venv: at one batch size, `repeats` rounds of SGLang alone, then the backend on new prompts
     (miss), then a fresh backend on the same prompts (hit); per-request times and RPCs, per round."""
     import random
@@ -67,85 +73,135 @@ def engine_side(target: str, batch: int, prompts: int, length: int, page: int, r
 
     texts: list = []
     scratch = np.zeros(forward_mb << 18, np.float32)  # what a forward streams through the CPU's caches
-    slots = (batch + 2) * (length + page) * 2
+    live = batch * (decode_steps + 3) + 2  # requests at once: queued, held back, running
+    slots = live * (length + page) * 2
 
     def build(backend: bool):
-        r2t = ReqToTokenPool(size=batch + 1, max_context_len=length + page, device="cpu", enable_memory_saver=False)
+        r2t = ReqToTokenPool(size=live + 1, max_context_len=length + page, device="cpu", enable_memory_saver=False)
         kv = MHATokenToKVPool(size=slots, page_size=page, dtype=torch.float32, head_num=HEADS, head_dim=DIM,
                               layer_num=LAYERS, device="cpu", enable_memory_saver=False)
         alloc = PagedTokenToKVPoolAllocator(slots, page, torch.float32, "cpu", kv, False)
         params = CacheInitParams(disable=False, req_to_token_pool=r2t, token_to_kv_pool_allocator=alloc, page_size=page)
         return (RadixdRadixCache(params, target=target) if backend else RadixCache(params)), r2t, kv, alloc
 
+    class Running:
+        """The running batch, as the backend's admission hook reads it."""
+
+        def __init__(self, reqs: list):
+            self.reqs = reqs
+
+        def is_empty(self) -> bool:
+            return not self.reqs
+
     class Scheduler:
-        """The two scheduler methods the backend hooks (as `factory` does inside SGLang's Scheduler)."""
+        """SGLang's scheduler as the cache sees it: its waiting queue and the three methods the backend hooks (as
+        `factory` does inside SGLang's Scheduler). The admission pass admits every waiting request."""
+
+        def __init__(self, admit):
+            self.waiting_queue: list = []
+            self.chunked_req = None
+            self.admit = admit
 
         def _add_request_to_queue(self, req) -> None:
-            pass
+            self.waiting_queue.append(req)
+
+        def get_new_batch_prefill(self, running: Running) -> list:
+            admitted, self.waiting_queue = list(self.waiting_queue), []
+            for r in admitted:
+                self.admit(r)
+            return admitted
 
         def process_batch_result(self, results) -> None:
             results()
 
     def run(backend: bool, tag: str) -> dict:
         cache, r2t, kv, alloc = build(backend)
-        sched = Scheduler()
+        rows = list(range(1, live + 1))  # free req_to_token rows
+        spent: dict[str, float] = {}
+        idled: dict[str, float] = {}
+        steps: list[tuple[int, int, int]] = []
+        phases = dict(queued=0.0, admit=0.0, idle=0.0, match=0.0, load_back=0.0, alloc=0.0, checkpoint=0.0,
+                      release=0.0, evict=0.0, end_step=0.0)
+        inner = [0.0]
+
+        def admit(r) -> None:  # a request admitted: matched (+ loaded back), given slots (timed whole: SGLang
+            t0 = time.perf_counter()  # alone allocates a prompt's slots here, the backend a hit's at its load-back)
+            ids = r.full_untruncated_fill_ids
+            key = RadixKey(ids, None, limit=len(ids) - 1)
+            m = cache.match_prefix(MatchPrefixParams(key=key, req=r))
+            t1 = time.perf_counter()
+            phases["match"] += t1 - t0
+            node = m.last_device_node
+            if m.host_hit_length:
+                _, node = cache.init_load_back(InitLoadBackParams(m.best_match_node, m.host_hit_length, req=r))
+            t2 = time.perf_counter()
+            phases["load_back"] += t2 - t1
+            prefix = cache.path_device_indices(node).to(torch.int64)
+            lock = cache.lock(node)
+            have, n = len(prefix), len(ids)
+            need = -(-(n - have) // page) * page
+            new = alloc.alloc(need)
+            if new is None:  # as SGLang's scheduler does: evict what it needs (the backend may wait for its
+                t = time.perf_counter()  # stores to free SGLang's slots)
+                cache.evict(EvictParams(num_tokens=need))
+                phases["evict"] += time.perf_counter() - t
+                new = alloc.alloc(need)
+            assert new is not None, "the bench's pool is too small"
+            new = new[:n - have]
+            r2t.req_to_token[r.kv.req_pool_idx, :have] = prefix.to(torch.int32)
+            r2t.req_to_token[r.kv.req_pool_idx, have:n] = new.to(torch.int32)
+            r.kv.cache_protected_len, r.kv.kv_committed_len, r.last_node, r.lock = have, n, node, lock
+            took = time.perf_counter() - t0
+            phases["alloc"] += took - (t2 - t0)
+            spent[r.rid] += took
+            inner[0] += took
+
+        sched = Scheduler(admit)
         if backend:
             hook_scheduler(sched, cache)
-        spent: list[float] = []
-        steps: list[tuple[int, int, int]] = []
-        phases = dict(queued=0.0, match=0.0, load_back=0.0, checkpoint=0.0, release=0.0, evict=0.0, end_step=0.0)
-        for g in range(0, prompts, batch):
-            reqs = [Req(f"{tag}{g + i}", texts[g + i], Kv(i + 1)) for i in range(min(batch, prompts - g))]
+        running: list = []  # (request, the step whose results finish it)
+        g = step = 0
+        while g < prompts or sched.waiting_queue or running:
             before = (getattr(cache, "rpcs", 0), *((cache.lookups.rpcs, cache.stores.rpcs) if backend else (0, 0)))
-            times = [0.0] * len(reqs)
-            t = time.perf_counter()
-            for r in reqs:  # the step's new requests arrive
-                sched._add_request_to_queue(r)
-            share = (time.perf_counter() - t) / len(reqs)
-            phases["queued"] += time.perf_counter() - t
-            for i, r in enumerate(reqs):  # the step's batch is formed: each request matched, given slots
+            if g < prompts:  # the step's new requests arrive
+                reqs = [Req(f"{tag}{g + i}", texts[g + i], Kv(rows.pop())) for i in range(min(batch, prompts - g))]
+                g += len(reqs)
                 t = time.perf_counter()
-                ids = r.full_untruncated_fill_ids
-                key = RadixKey(ids, None, limit=len(ids) - 1)
-                m = cache.match_prefix(MatchPrefixParams(key=key, req=r))
-                t1 = time.perf_counter()
-                phases["match"] += t1 - t
-                node = m.last_device_node
-                if m.host_hit_length:
-                    _, node = cache.init_load_back(InitLoadBackParams(m.best_match_node, m.host_hit_length, req=r))
-                phases["load_back"] += time.perf_counter() - t1
-                prefix = cache.path_device_indices(node).to(torch.int64)
-                lock = cache.lock(node)
-                times[i] += time.perf_counter() - t
-                have, n = len(prefix), len(ids)
-                need = -(-(n - have) // page) * page
-                new = alloc.alloc(need)
-                if new is None:  # as SGLang's scheduler does: evict what it needs (the backend may wait for its
-                    t = time.perf_counter()  # stores to free SGLang's slots: timed, it is radixd's cost)
-                    cache.evict(EvictParams(num_tokens=need))
-                    phases["evict"] += time.perf_counter() - t
-                    times[i] += time.perf_counter() - t
-                    new = alloc.alloc(need)
-                assert new is not None, "the bench's pool is too small"
-                new = new[:n - have]
-                r2t.req_to_token[r.kv.req_pool_idx, :have] = prefix.to(torch.int32)
-                r2t.req_to_token[r.kv.req_pool_idx, have:n] = new.to(torch.int32)
-                r.kv.cache_protected_len, r.kv.kv_committed_len, r.last_node, r.lock = have, n, node, lock
-            for r in reqs:  # "the forward" (not timed)
+                for r in reqs:
+                    sched._add_request_to_queue(r)
+                took = time.perf_counter() - t
+                phases["queued"] += took
+                for r in reqs:
+                    spent[r.rid], idled[r.rid] = took / len(reqs), 0.0
+            waiting = list(sched.waiting_queue)
+            inner[0], idle0 = 0.0, getattr(cache, "idle_waited", 0.0)
+            t = time.perf_counter()
+            admitted = sched.get_new_batch_prefill(Running([r for r, _ in running]))  # (hooked)
+            took = time.perf_counter() - t
+            idle = getattr(cache, "idle_waited", 0.0) - idle0
+            phases["idle"] += idle
+            phases["admit"] += took - inner[0] - idle
+            for r in waiting:  # the pass's own cost (beyond each admitted request's) and any wait: the queue's
+                spent[r.rid] += (took - inner[0]) / len(waiting)
+                idled[r.rid] += idle / len(waiting)
+            for r in admitted:  # "the forward" (not timed)
                 row = r2t.req_to_token[r.kv.req_pool_idx]
                 new = row[r.kv.cache_protected_len:r.kv.kv_committed_len].to(torch.int64)
                 for layer in range(LAYERS):
                     kv.k_buffer[layer][new] = 1.0
                     kv.v_buffer[layer][new] = 2.0
-                r.done = True
             if scratch.size:  # (a real forward leaves the scheduler's next calls cache-cold, backend or not)
                 np.add(scratch, 1.0, out=scratch)
-
+            running += [(r, step + decode_steps) for r in admitted]
+            ending = [r for r, at in running if at == step]
+            running = [(r, at) for r, at in running if at != step]
+            stepped = ending + [r for r, _ in running]
             inside = [0.0]
 
-            def results() -> None:  # each request finished: checkpointed and released
+            def results() -> None:  # the step's finished requests checkpointed and released
                 t0 = time.perf_counter()
-                for i, r in enumerate(reqs):
+                for r in ending:
+                    r.done = True
                     n = r.kv.kv_committed_len
                     t = time.perf_counter()
                     cache.checkpoint(r, up_to=n)
@@ -154,33 +210,38 @@ def engine_side(target: str, batch: int, prompts: int, length: int, page: int, r
                     cache.unlock(r.lock)
                     cache.on_release(r, checkpointed=True)
                     phases["release"] += time.perf_counter() - t1
-                    times[i] += time.perf_counter() - t
+                    spent[r.rid] += time.perf_counter() - t
                     tail = r2t.req_to_token[r.kv.req_pool_idx, r.kv.cache_protected_len:n].to(torch.int64)
                     if tail.numel():
                         alloc.free(tail)
+                    rows.append(r.kv.req_pool_idx)
                 inside[0] = time.perf_counter() - t0
-            t = time.perf_counter()
-            sched.process_batch_result(results)  # (hooked: the step's end follows)
-            rest = time.perf_counter() - t - inside[0]
-            phases["end_step"] += rest
-            share += rest / len(reqs)
-            spent += [x + share for x in times]
+            if stepped:
+                t = time.perf_counter()
+                sched.process_batch_result(results)  # (hooked: the step's end follows)
+                rest = time.perf_counter() - t - inside[0]
+                phases["end_step"] += rest
+                for r in stepped:
+                    spent[r.rid] += rest / len(stepped)
             if backend:  # (not timed) the step's round done before the next step, as during a GPU forward of
                 cache.lookups.wait_idle(1.0)  # this size: each step's calls are counted in it
                 cache.stores.wait_idle(1.0)
             after = (getattr(cache, "rpcs", 0), *((cache.lookups.rpcs, cache.stores.rpcs) if backend else (0, 0)))
             steps.append(tuple(a - b for a, b in zip(after, before)))
             cache.evict(EvictParams(num_tokens=cache.evictable_size()))  # room for the next step's prompts
+            step += 1
             yield None  # (the paired run's step next)
         loaded = getattr(cache, "loaded_tokens", 0)
         if backend:
             cache.settle()
             cache.shutdown()
-        s = sorted(spent)
+        s = sorted(spent.values())
+        b = sorted(spent[k] - idled[k] for k in spent)
         yield dict(p50_us=s[len(s) // 2] * 1e6, p99_us=s[min(len(s) - 1, int(0.99 * len(s)))] * 1e6,
-                    max_rpcs=max(x[0] for x in steps), mean_rpcs=float(np.mean([x[0] for x in steps])),
-                    max_bg=max(x[1] + x[2] for x in steps), mean_bg=float(np.mean([x[1] + x[2] for x in steps])),
-                    loaded=loaded, phases_us={k: v / prompts * 1e6 for k, v in phases.items()})
+                   busy_p50_us=b[len(b) // 2] * 1e6, busy_p99_us=b[min(len(b) - 1, int(0.99 * len(b)))] * 1e6,
+                   max_rpcs=max(x[0] for x in steps), mean_rpcs=float(np.mean([x[0] for x in steps])),
+                   max_bg=max(x[1] + x[2] for x in steps), mean_bg=float(np.mean([x[1] + x[2] for x in steps])),
+                   loaded=loaded, phases_us={k: v / prompts * 1e6 for k, v in phases.items()})
 
     from sglang.srt.runtime_context import publish
     from sglang.srt.server_args import ServerArgs
@@ -215,17 +276,20 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="rounds of the three runs, interleaved (medians)")
     ap.add_argument("--forward-mb", type=int, default=64,
                     help="MB the untimed forward streams through the CPU's caches each step (0: none)")
+    ap.add_argument("--decode-steps", type=int, default=1,
+                    help="steps a request runs after its prefill step (0: the engine is idle when the next arrive)")
     ap.add_argument("--engine", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.engine:
         print(json.dumps(engine_side(args.engine, int(args.batches), args.prompts, args.length, args.page,
-                                     args.repeats, args.forward_mb)))
+                                     args.repeats, args.forward_mb, args.decode_steps)))
         return
     sys.path.insert(0, str(ROOT))
     from tests.conftest import ServerProc
     py = _python()
     results: dict[str, float] = {}
-    print(f"{'batch':>5} {'mode':>5} {'p50 us':>8} {'p99 us':>8} {'SGLang alone p50':>16} {'extra p50':>9} "
+    print(f"{'batch':>5} {'mode':>5} {'p50 us':>8} {'p99 us':>8} {'busy p50':>8} {'SGLang alone p50':>16} "
+          f"{'extra p50':>9} {'busy extra':>10} "
           f"{'rpcs/step max':>13} {'mean':>5} {'background rpcs/step max':>24} {'mean':>5} {'loaded':>7}")
     for batch in [int(x) for x in args.batches.split(",")]:
         prompts = max(args.prompts, 4 * batch)  # several steps at every batch size
@@ -235,7 +299,8 @@ def main() -> None:
         try:
             r = subprocess.run([py, __file__, "--engine", srv.target, "--batches", str(batch), "--prompts",
                                 str(prompts), "--length", str(args.length), "--page", str(args.page), "--repeats",
-                                str(args.repeats), "--forward-mb", str(args.forward_mb)],
+                                str(args.repeats), "--forward-mb", str(args.forward_mb),
+                                "--decode-steps", str(args.decode_steps)],
                                capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ""}, timeout=1800)
         finally:
             srv.stop()
@@ -249,17 +314,22 @@ def main() -> None:
             p99 = statistics.median(x["p99_us"] for x in ms)
             extras = [m["p50_us"] - b["p50_us"] for m, b in zip(ms, plains)]  # each against its own pair
             extra = statistics.median(extras)
+            busy = statistics.median(x["busy_p50_us"] for x in ms)
+            busy_extras = [m["busy_p50_us"] - b["p50_us"] for m, b in zip(ms, plains)]
+            busy_extra = statistics.median(busy_extras)
             mx, mean = max(x["max_rpcs"] for x in ms), statistics.mean(x["mean_rpcs"] for x in ms)
             mx_bg, mean_bg = max(x["max_bg"] for x in ms), statistics.mean(x["mean_bg"] for x in ms)
-            print(f"{batch:5d} {mode:>5} {p50:8.0f} {p99:8.0f} {base:16.0f} {extra:9.0f} "
+            print(f"{batch:5d} {mode:>5} {p50:8.0f} {p99:8.0f} {busy:8.0f} {base:16.0f} {extra:9.0f} {busy_extra:10.0f} "
                   f"{mx:13d} {mean:5.2f} {mx_bg:24d} {mean_bg:5.2f} {min(x['loaded'] for x in ms):7d}")
             results[f"sched_p50_us_{mode}_{batch}"] = p50
             results[f"extra_p50_us_{mode}_{batch}"] = extra
+            results[f"busy_extra_p50_us_{mode}_{batch}"] = busy_extra
             results[f"max_rpcs_per_step_{mode}_{batch}"] = mx
 
             def phases(runs: list) -> str:
                 return ", ".join(f"{k} {statistics.mean(x['phases_us'][k] for x in runs):.0f}" for k in runs[0]["phases_us"])
-            print(f"{'':11} extra p50 per round: {', '.join(f'{e:.0f}' for e in extras)}; per request, mean us: "
+            print(f"{'':11} extra p50 per round: {', '.join(f'{e:.0f}' for e in extras)} (busy: "
+                  f"{', '.join(f'{e:.0f}' for e in busy_extras)}); per request, mean us: "
                   f"{phases(ms)}   (SGLang alone: {phases(plains)})")
     print("RESULT " + " ".join(f"{k}={v:.3f}" for k, v in results.items()))
 

@@ -364,6 +364,104 @@ def scenario_a_lock_outlives_a_queued_load_back_copy(c: CacheClient) -> None:
     b.cache.shutdown()
 
 
+def engine_holds_the_forwards_kv(e: Engine, tokens: list[int]) -> None:
+    """Engine e's pool holds, at the slots its tree matches for `tokens`, each token's K and V as Engine.prefill's
+    "forward" wrote them (on whichever engine computed them): the ground truth of a load-back."""
+    k, v = e.kv_of(tokens)
+    assert k.shape[1] == len(tokens), (k.shape, len(tokens))
+    toks = torch.tensor(tokens, dtype=torch.float32)[:, None, None]
+    for layer in range(LAYERS):
+        assert torch.equal(k[layer], (toks * 10 + layer).expand_as(k[layer])), f"K of layer {layer} is not the forward's"
+        assert torch.equal(v[layer], -(toks * 10 + layer).expand_as(v[layer])), f"V of layer {layer} is not the forward's"
+
+
+def scenario_a_request_whose_lookup_is_out_waits_in_the_queue(c: CacheClient) -> None:
+    """Built inside SGLang's scheduler, the backend holds a queued request whose radixd lookup is still out back from
+    the admission pass while the engine has other work (as SGLang skips a request whose prefetch is not done), and
+    admits it once the lookup landed; with nothing else to run, the pass waits for the lookups instead. A pass's
+    load-backs are copied together at its end, and SGLang's pool then holds the forward's K and V for each."""
+    import threading
+    from radixd.sglang.backend import hook_scheduler
+    a, b = Engine(), Engine()
+    b.cache.deadline = 60.0  # (held back whatever this machine's pace; the deadline has a scenario of its own)
+    rng = random.Random(time.time_ns())
+    prompts = [[rng.randrange(7000, 7999) for _ in range(24)] for _ in range(3)]
+    for i, p in enumerate(prompts):
+        publish(c, a, f"w{i}", p)
+    gate = threading.Event()  # radixd's answers wait for it: a lookup "still out" for as long as the test says
+    match, take = b.cache.client.match_batch, b.cache.lookups.take
+    b.cache.client.match_batch = lambda *args, **kw: (gate.wait(60), match(*args, **kw))[1]
+
+    def take_opening(rid, wait=0.0):  # the backend waiting on a lookup opens the gate (only the idle pass may)
+        if wait > 0:
+            gate.set()
+        return take(rid, wait)
+    b.cache.lookups.take = take_opening
+    copies_left: list[int] = []
+
+    def admit(r) -> int:  # as SGLang's admission: match (+ load-back), the prefix locked, slots for the rest
+        ids = r.full_untruncated_fill_ids
+        m = b.cache.match_prefix(MatchPrefixParams(key=_key(r), req=r))
+        node, loaded = m.last_device_node, 0
+        if m.host_hit_length:
+            loaded, node = b.cache.init_load_back(InitLoadBackParams(m.best_match_node, m.host_hit_length, req=r))
+        prefix = b.cache.path_device_indices(node).to(torch.int64)
+        b.r2t.req_to_token[r.kv.req_pool_idx, :len(prefix)] = prefix.to(torch.int32)
+        r.kv.cache_protected_len, r.last_node, r.lock = len(prefix), node, b.cache.lock(node)
+        new = b.alloc.alloc(PAGE)[:len(ids) - len(prefix)]
+        b.r2t.req_to_token[r.kv.req_pool_idx, len(prefix):len(ids)] = new.to(torch.int32)
+        return loaded
+
+    class Running:
+        def __init__(self, reqs: list):
+            self.reqs = reqs
+
+        def is_empty(self) -> bool:
+            return not self.reqs
+
+    class Scheduler:  # SGLang 0.5.23's waiting queue and the three methods the backend wraps
+        def __init__(self):
+            self.waiting_queue: list = []
+            self.chunked_req = None
+
+        def _add_request_to_queue(self, req, is_retracted: bool = False) -> None:
+            self.waiting_queue.append(req)
+
+        def get_new_batch_prefill(self, running_batch) -> list:
+            batch = [(r, admit(r)) for r in self.waiting_queue]
+            copies_left.append(len(b.cache._pending))
+            self.waiting_queue = []
+            return batch
+
+        def process_batch_result(self, batch, result) -> None:
+            pass
+    sched = Scheduler()
+    hook_scheduler(sched, b.cache)
+    r1 = b.request("h1", prompts[0] + [3])
+    sched._add_request_to_queue(r1)
+    assert sched.get_new_batch_prefill(Running([object()])) == [], "admitted while its lookup was out"
+    assert sched.waiting_queue == [r1] and r1.cache_request_handle in b.cache._asked and not gate.is_set()
+    gate.set()
+    b.cache.lookups.wait_idle(30)
+    assert sched.get_new_batch_prefill(Running([object()])) == [(r1, 24)]  # landed: admitted, a hit
+    assert sched.waiting_queue == [] and b.cache.idle_waited == 0
+    engine_holds_the_forwards_kv(b, prompts[0])
+    gate.clear()
+    r2, r3 = b.request("h2", prompts[1] + [3]), b.request("h3", prompts[2] + [3])
+    sched._add_request_to_queue(r2)
+    sched._add_request_to_queue(r3)
+    assert sched.get_new_batch_prefill(Running([])) == [(r2, 24), (r3, 24)], "the idle pass did not wait"
+    assert gate.is_set() and b.cache.idle_waited > 0
+    assert copies_left == [0, 1, 2] and not b.cache._pending, copies_left  # copied at the pass's end, together
+    for p in prompts[1:]:
+        engine_holds_the_forwards_kv(b, p)
+    for r in (r1, r2, r3):
+        b.release(r)
+    settled(c, a, b)
+    a.cache.shutdown()
+    b.cache.shutdown()
+
+
 def scenario_a_stopped_radixd_costs_a_miss_at_the_deadline(c: CacheClient) -> None:
     """radixd stopped (SIGSTOP) while a request is queued: its match waits no longer than the deadline, reports
     no radixd hit, and the lookup's lock is released once radixd answers again."""

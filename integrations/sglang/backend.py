@@ -6,14 +6,18 @@ engine on the node shares (one radixd session per engine: a dead engine loses it
                    SGLang's scheduler) starts the request's radixd lookup, MatchPrefix with lock on a lookup
                    thread, batched with every request queued meanwhile (a LoadBack first, and its copy waited
                    for there, when radixd holds more on its host tier);
-  match_prefix     SGLang's own match, then radixd's answer: the queued lookup's, waited for at most until
-                   `lookup_deadline_ms` after it started (then a miss), or one started now; what radixd has
-                   beyond SGLang's device prefix is reported as `host_hit_length`, so the scheduler calls
-                   init_load_back;
-  init_load_back   all or nothing: SGLang slots (evicting locally if short), radixd's pages copied into
-                   SGLang's k_buffer / v_buffer, the path inserted into SGLang's tree; radixd's lock stays with the
-                   request (GPU: the copy is queued on the scheduler's stream, not waited for, and a lock released
-                   before it ran waits for its event);
+  admission        (wrapped around the scheduler's `get_new_batch_prefill`) a queued request whose lookup is still
+                   out is held back from the pass while the engine has other work, as SGLang skips a request whose
+                   storage prefetch is not done (vLLM's "ask again next step"); with nothing else to run, the pass
+                   waits for it instead (up to `lookup_deadline_ms` after it started: then a miss);
+  match_prefix     SGLang's own match, then radixd's answer: the queued lookup's (waited for, up to the deadline,
+                   only where no pass held it back), or one started now; what radixd has beyond SGLang's device
+                   prefix is reported as `host_hit_length`, so the scheduler calls init_load_back;
+  init_load_back   all or nothing: SGLang slots (evicting locally if short), the path inserted into SGLang's tree,
+                   radixd's pages copied into SGLang's k_buffer / v_buffer: inside the hooked pass, with the pass's
+                   other load-backs in one copy at its end (before the batch's forward, as HiCache starts a batch's
+                   loads once it is formed); radixd's lock stays with the request (GPU: the copy is queued on the
+                   scheduler's stream, not waited for, and a lock released before it ran waits for its event);
   checkpoint       SGLang's own bookkeeping; a finished request's path is pinned in SGLang's tree and looked up
                    in radixd on the lookup thread (unless its queued lookup already locked radixd's prefix, or the
                    local index said radixd has none of it); once radixd's prefix is known the store thread does
@@ -26,8 +30,8 @@ engine on the node shares (one radixd session per engine: a dead engine loses it
                    progresses in match_prefix, checkpoint, evict, end_step and check_hicache_events (and `settle`
                    finishes everything);
   on_release / release_aborted_request / reset  release every radixd lock the request (or cache) held.
-No radixd call blocks the scheduler thread except the bounded wait for a lookup in match_prefix, and an
-Alloc when the slot stock runs short. With radixd started with --kv-events (and no L3 tier) the backend follows
+No radixd call blocks the scheduler thread except a bounded wait for a lookup when the engine has nothing else
+to run (or, without the hooks, in match_prefix), and an Alloc when the slot stock runs short. With radixd started with --kv-events (and no L3 tier) the backend follows
 radixd's events into a local index (client/events.py `LocalIndex`): a prompt radixd holds not even the first page
 of is a miss at once, with no lookup at queue, match or store time (`local_index=False` turns it off).
 Tensor parallelism: radixd's pool holds every rank's KV heads side by side; rank 0 alone talks to radixd and
@@ -208,6 +212,7 @@ class _Asked:
 
     tokens: np.ndarray
     at: float
+    req: Any = None  # the queued request (held back from admission while this is out), if started at queue time
 
 
 @dataclass
@@ -266,12 +271,15 @@ class RadixdRadixCache(RadixCache):
         self.loaded_tokens = 0  # tokens copied in from radixd (for tests and logs)
         self.stored_tokens = 0
         self.rpcs = 0  # radixd calls made on the scheduler thread (for tests and benchmarks)
+        self.idle_waited = 0.0  # seconds the scheduler waited for lookups with nothing else to run (benchmarks)
         self.deadline = lookup_deadline_ms / 1000
         self.asynchronous = tp_size == 1  # with TP every rank must see the lead's decision at the same call
         self._asked: dict[Any, _Asked] = {}
         self._missed: dict[Any, float] = {}  # requests the local index called a miss when queued: when
         self._holds: dict[Any, _Hold] = {}
         self._loading: dict[Any, Any] = {}  # GPU: a request's load-back copy (its CUDA event), until its lock may go
+        self._pending: list[tuple[Any, np.ndarray, torch.Tensor]] = []  # load-backs to copy at the pass's end
+        self._admitting = False  # inside the hooked admission pass (its load-backs copied together at its end)
         self._after_copy: deque[tuple[Any, int]] = deque()  # (event, receipt): unlocked once the copy read the pages
         self._plans: list[_Plan] = []
         self._sid = 0
@@ -316,7 +324,9 @@ class RadixdRadixCache(RadixCache):
 
     def _drain(self, wait: bool = False) -> None:
         """Hand the stores whose radixd lookup landed to the store thread; unpin the paths whose copy is over (with
-        wait: every store, its lookup waited for up to the deadline)."""
+        wait: every store, its lookup waited for up to the deadline, and every load-back copied)."""
+        if wait:
+            self._flush_loads()
         if self._plans:
             self._copy_planned(wait)
         after = self._after_copy
@@ -405,15 +415,15 @@ class RadixdRadixCache(RadixCache):
         ids = _ids(origin)
         if len(out):
             ids = np.concatenate([ids, _ids(out)])
-        self._ask(req.cache_request_handle, ids[:n], ns)
+        self._ask(req.cache_request_handle, ids[:n], ns, req)
 
     def _known_miss(self, tokens: Any, ns: dict) -> bool:
         """radixd holds not even the first page of tokens (any int sequence), by the local index."""
         return self.index is not None and self.index.known_miss(tokens, ns["cache_salt"])
 
-    def _ask(self, handle: Any, tokens: np.ndarray, ns: dict) -> None:
+    def _ask(self, handle: Any, tokens: np.ndarray, ns: dict, req: Any = None) -> None:
         self._forget(handle)
-        self._asked[handle] = _Asked(tokens, time.monotonic())
+        self._asked[handle] = _Asked(tokens, time.monotonic(), req)
         self.lookups.submit(handle, tokens, ns)
 
     def _forget(self, handle: Any) -> None:
@@ -426,6 +436,8 @@ class RadixdRadixCache(RadixCache):
 
     def _unlock_after_load(self, handle: Any, receipt: int) -> None:
         """Release a hold's lock, once the request's load-back copy (GPU, still queued) has read radixd's pages."""
+        if any(h == handle for h, _, _ in self._pending):
+            self._flush_loads()
         event = self._loading.pop(handle, None)
         if event is not None and not event.query():
             self._after_copy.append((event, receipt))
@@ -444,6 +456,35 @@ class RadixdRadixCache(RadixCache):
                     self._unlock_after_load(handle, old.receipt)
                 self._holds[handle] = _Hold(asked.tokens, np.asarray(res[0], dtype=np.int64), res[1])
         return self._holds.get(handle)
+
+    def hold_back(self, waiting: list, busy: bool) -> Optional[tuple[list, list]]:
+        """Before the scheduler's admission pass: (the waiting queue less the requests to hold back, those requests)
+        or None to hold none. Held back: queued requests whose radixd lookup is still out, within its deadline,
+        while the engine has other work (`busy`, or other requests waiting), as vLLM's "ask again next step". With
+        nothing else to run, their lookups are waited for here instead (up to the deadline; `idle_waited`)."""
+        if not self._asked:
+            return None
+        out = []
+        now = time.monotonic()
+        for handle, asked in list(self._asked.items()):
+            if asked.req is None or now - asked.at >= self.deadline:  # (past it: a miss at match)
+                continue
+            self._collect(handle)
+            if handle in self._asked:
+                out.append(asked)
+        if not out:
+            return None
+        ids = {id(a.req) for a in out}
+        rest = [r for r in waiting if id(r) not in ids]
+        if len(rest) == len(waiting):
+            return None
+        if not busy and not rest:  # the engine has nothing else to run: wait for the answers (idle time)
+            t = time.perf_counter()
+            for a in out:
+                self._collect(a.req.cache_request_handle, max(self.deadline - (time.monotonic() - a.at), 0.0))
+            self.idle_waited += time.perf_counter() - t
+            return None
+        return rest, [r for r in waiting if id(r) in ids]
 
     # ----------------------------------------------------------------- match
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
@@ -547,28 +588,57 @@ class RadixdRadixCache(RadixCache):
                 return 0, last
             at = marker.path[marker.device_len:marker.device_len + n]
             dst = slots.to(torch.int64)
-            sh = self.shard
-            if self.cuda or not self._copy_cpu(False, at, dst.numpy()):
-                src = torch.from_numpy(at.copy()).to(self.k[0].device)
-                for i in range(len(self.k)):  # index_select / index_copy_: several times faster than indexing
-                    self.k[i].index_copy_(0, dst, self.rk[i].index_select(0, src)[:, sh])
-                    self.v[i].index_copy_(0, dst, self.rv[i].index_select(0, src)[:, sh])
-            if self.cuda and self.asynchronous and not marker.receipt:  # the lock stays with the request's hold,
-                self._loading[req.cache_request_handle] = event = torch.cuda.Event()  # released once this copy
-                event.record()  # has read radixd's pages (no wait here for the queued forward)
-            elif self.cuda:
-                torch.cuda.current_stream().synchronize()  # radixd may evict its pages once unlocked
-            self._barrier()  # every rank has its heads before the lead releases radixd's lock
+            if not self.asynchronous:  # TP: every rank has its heads before the lead releases radixd's lock
+                self._copy_in(at, dst)
+                if self.cuda:
+                    torch.cuda.current_stream().synchronize()
+                self._barrier()
             end = marker.device_len + n
             prefix = self.path_device_indices(last)[:marker.device_len].to(torch.int64)
             r = self.insert(InsertParams(key=marker.key[:end], value=torch.cat([prefix, dst]),
                                          inserted_len=marker.device_len, priority=getattr(last, "priority", 0)))
-            if r.prefix_len > marker.device_len:  # inserted meanwhile by this engine: our copies are duplicates
-                self.token_to_kv_pool_allocator.free(dst[:r.prefix_len - marker.device_len])
+            dup = min(max(r.prefix_len - marker.device_len, 0), n)
+            if dup:  # inserted meanwhile by this engine: our slots there are duplicates
+                self.token_to_kv_pool_allocator.free(dst[:dup])
+            if self.asynchronous and dup < n:  # (the lock stays with the request's hold until the copy read it)
+                self._load(req.cache_request_handle, at[dup:], dst[dup:])
             self.loaded_tokens += n
             return n, r.last_device_node
         finally:
             self._unlock(marker.receipt)
+
+    def _load(self, handle: Any, at: np.ndarray, dst: torch.Tensor) -> None:
+        """A load-back's copy, radixd's slots `at` into SGLang's `dst`: now, or inside the hooked admission pass at
+        its end with the pass's other loads in one copy (as HiCache starts a batch's loads once it is formed)."""
+        self._pending.append((handle, at, dst))
+        if not self._admitting:
+            self._flush_loads()
+
+    def _flush_loads(self) -> None:
+        """The pending load-back copies, as one (GPU: queued on the scheduler's stream, an event after them that the
+        requests' locks wait for)."""
+        loads, self._pending = self._pending, []
+        if not loads:
+            return
+        if len(loads) == 1:
+            at, dst = loads[0][1], loads[0][2]
+        else:
+            at, dst = np.concatenate([a for _, a, _ in loads]), torch.cat([d for _, _, d in loads])
+        self._copy_in(at, dst)
+        if self.cuda:
+            event = torch.cuda.Event()
+            event.record()
+            for handle, _, _ in loads:
+                self._loading[handle] = event
+
+    def _copy_in(self, at: np.ndarray, dst: torch.Tensor) -> None:
+        """radixd's KV at slots `at` into SGLang's at `dst` (this rank's heads)."""
+        if self.cuda or not self._copy_cpu(False, at, dst.numpy()):
+            src = torch.from_numpy(at.copy()).to(self.k[0].device)
+            sh = self.shard
+            for i in range(len(self.k)):  # index_select / index_copy_: several times faster than indexing
+                self.k[i].index_copy_(0, dst, self.rk[i].index_select(0, src)[:, sh])
+                self.v[i].index_copy_(0, dst, self.rv[i].index_select(0, src)[:, sh])
 
     # ------------------------------------------------------------ checkpoint
     def checkpoint(self, req, *, up_to: int) -> None:
@@ -713,6 +783,7 @@ class RadixdRadixCache(RadixCache):
 
     # ------------------------------------------------------ eviction, release
     def evict(self, params: EvictParams) -> EvictResult:
+        self._flush_loads()  # (no slot freed and reused with a copy into it still pending)
         self._drain(wait=self.token_to_kv_pool_allocator.available_size() < params.num_tokens)
         return super().evict(params)
 
@@ -740,9 +811,11 @@ class RadixdRadixCache(RadixCache):
 
 
 def hook_scheduler(scheduler: Any, cache: RadixdRadixCache) -> None:
-    """Have the scheduler tell the cache of every request it queues and of the end of every step's results (SGLang
-    has no hook for a backend there): lookups start at queue time, and a step's stores go in one round."""
+    """Have the scheduler tell the cache of every request it queues, of every admission pass and of the end of
+    every step's results (SGLang has no hook for a backend there): lookups start at queue time, a request whose
+    lookup is still out waits in the queue while the engine runs others, and a step's stores go in one round."""
     add, results = scheduler._add_request_to_queue, scheduler.process_batch_result
+    prefill = getattr(scheduler, "get_new_batch_prefill", None)
 
     def add_request_to_queue(req, *args: Any, **kwargs: Any):
         out = add(req, *args, **kwargs)
@@ -754,8 +827,26 @@ def hook_scheduler(scheduler: Any, cache: RadixdRadixCache) -> None:
             return results(*args, **kwargs)
         finally:
             cache.end_step()
+
+    def get_new_batch_prefill(running_batch, *args: Any, **kwargs: Any):
+        busy = not running_batch.is_empty() or getattr(scheduler, "chunked_req", None) is not None
+        held = cache.hold_back(scheduler.waiting_queue, busy)
+        cache._admitting = True
+        try:
+            if held is None:
+                return prefill(running_batch, *args, **kwargs)
+            scheduler.waiting_queue = held[0]
+            try:
+                return prefill(running_batch, *args, **kwargs)
+            finally:  # (the pass reassigns the queue: the held requests go back at its end)
+                scheduler.waiting_queue.extend(held[1])
+        finally:  # the batch is formed: its load-backs copied, before its forward
+            cache._admitting = False
+            cache._flush_loads()
     scheduler._add_request_to_queue = add_request_to_queue
     scheduler.process_batch_result = process_batch_result
+    if prefill is not None:
+        scheduler.get_new_batch_prefill = get_new_batch_prefill
     cache.stores.stepped = True
 
 
