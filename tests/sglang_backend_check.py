@@ -535,6 +535,20 @@ def scenario_overridden_signatures_match_sglang(c: CacheClient) -> None:
             if [p for p in a.parameters] != [p for p in b.parameters]:
                 bad.append(f"{name}{a} != {b}")
     assert not bad, bad
+    # the scheduler methods `hook_scheduler` wraps, as SGLang's own Scheduler has them: the calls the wrappers pass
+    # on, and an admission pass that reads the waiting queue when it runs (so a request left out of it waits there)
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.managers.scheduler import Scheduler
+    params = {n: list(inspect.signature(getattr(Scheduler, n)).parameters)
+              for n in ("_add_request_to_queue", "process_batch_result", "get_new_batch_prefill")}
+    assert params == {"_add_request_to_queue": ["self", "req", "is_retracted"],
+                      "process_batch_result": ["self", "batch", "result"],
+                      "get_new_batch_prefill": ["self", "running_batch"]}, params
+    assert callable(ScheduleBatch.is_empty)
+    src = inspect.getsource(Scheduler._get_new_batch_prefill_raw)
+    for line in ("for req in self.waiting_queue:", "req.init_next_round_input(self.tree_cache)",
+                 "self.waiting_queue = [x for x in self.waiting_queue if x not in can_run_set]"):
+        assert line in src, f"SGLang's admission pass no longer has {line!r}"
 
 
 class GlooGroup:
