@@ -594,8 +594,9 @@ class RadixdRadixCache(RadixCache):
                     torch.cuda.current_stream().synchronize()
                 self._barrier()
             end = marker.device_len + n
-            prefix = self.path_device_indices(last)[:marker.device_len].to(torch.int64)
-            r = self.insert(InsertParams(key=marker.key[:end], value=torch.cat([prefix, dst]),
+            value = torch.cat([self.path_device_indices(last)[:marker.device_len].to(torch.int64), dst]) \
+                if marker.device_len else dst
+            r = self.insert(InsertParams(key=marker.key[:end], value=value,
                                          inserted_len=marker.device_len, priority=getattr(last, "priority", 0)))
             dup = min(max(r.prefix_len - marker.device_len, 0), n)
             if dup:  # inserted meanwhile by this engine: our slots there are duplicates
