@@ -27,7 +27,8 @@ figure is the median over rounds, and the extra time the median of each pair's d
 CPU's caches, as a model's forward does (the scheduler's next calls run cache-cold, with or without the backend).
 
 Last line: RESULT sched_p50_us_<mode>_<batch>=... extra_p50_us_<mode>_<batch>=... (over SGLang's own cache)
-busy_extra_p50_us_<mode>_<batch>=... (less idle waits)
+busy_extra_p50_us_<mode>_<batch>=... (less idle waits) busy_extra_less_copy_p50_us_<mode>_<batch>=... (less the
+load-backs' KV copy too: the bytes a hit moves, which a GPU engine queues on its stream)
 max_rpcs_per_step_<mode>_<batch>=...
 """
 from __future__ import annotations
@@ -119,9 +120,10 @@ def engine_side(target: str, batch: int, prompts: int, length: int, page: int, r
         rows = list(range(1, live + 1))  # free req_to_token rows
         spent: dict[str, float] = {}
         idled: dict[str, float] = {}
+        copied: dict[str, float] = {}  # (the load-backs' KV copy, shared by the pass's requests)
         steps: list[tuple[int, int, int]] = []
-        phases = dict(queued=0.0, admit=0.0, idle=0.0, match=0.0, load_back=0.0, alloc=0.0, checkpoint=0.0,
-                      release=0.0, evict=0.0, end_step=0.0)
+        phases = dict(queued=0.0, admit=0.0, idle=0.0, copy=0.0, match=0.0, load_back=0.0, alloc=0.0,
+                      checkpoint=0.0, release=0.0, evict=0.0, end_step=0.0)
         inner = [0.0]
 
         def admit(r) -> None:  # a request admitted: matched (+ loaded back), given slots (timed whole: SGLang
@@ -172,18 +174,21 @@ def engine_side(target: str, batch: int, prompts: int, length: int, page: int, r
                 took = time.perf_counter() - t
                 phases["queued"] += took
                 for r in reqs:
-                    spent[r.rid], idled[r.rid] = took / len(reqs), 0.0
+                    spent[r.rid], idled[r.rid], copied[r.rid] = took / len(reqs), 0.0, 0.0
             waiting = list(sched.waiting_queue)
-            inner[0], idle0 = 0.0, getattr(cache, "idle_waited", 0.0)
+            inner[0], idle0, copy0 = 0.0, getattr(cache, "idle_waited", 0.0), getattr(cache, "copied_in", 0.0)
             t = time.perf_counter()
             admitted = sched.get_new_batch_prefill(Running([r for r, _ in running]))  # (hooked)
             took = time.perf_counter() - t
             idle = getattr(cache, "idle_waited", 0.0) - idle0
+            copy = getattr(cache, "copied_in", 0.0) - copy0
             phases["idle"] += idle
-            phases["admit"] += took - inner[0] - idle
-            for r in waiting:  # the pass's own cost (beyond each admitted request's) and any wait: the queue's
-                spent[r.rid] += (took - inner[0]) / len(waiting)
+            phases["copy"] += copy
+            phases["admit"] += took - inner[0] - idle - copy
+            for r in waiting:  # the pass's own cost (beyond each admitted request's), any wait, the load-backs' copy:
+                spent[r.rid] += (took - inner[0]) / len(waiting)  # the queue's
                 idled[r.rid] += idle / len(waiting)
+                copied[r.rid] += copy / len(waiting)
             for r in admitted:  # "the forward" (not timed)
                 row = r2t.req_to_token[r.kv.req_pool_idx]
                 new = row[r.kv.cache_protected_len:r.kv.kv_committed_len].to(torch.int64)
@@ -237,8 +242,10 @@ def engine_side(target: str, batch: int, prompts: int, length: int, page: int, r
             cache.shutdown()
         s = sorted(spent.values())
         b = sorted(spent[k] - idled[k] for k in spent)
+        c = sorted(spent[k] - idled[k] - copied[k] for k in spent)
         yield dict(p50_us=s[len(s) // 2] * 1e6, p99_us=s[min(len(s) - 1, int(0.99 * len(s)))] * 1e6,
                    busy_p50_us=b[len(b) // 2] * 1e6, busy_p99_us=b[min(len(b) - 1, int(0.99 * len(b)))] * 1e6,
+                   nocopy_p50_us=c[len(c) // 2] * 1e6,
                    max_rpcs=max(x[0] for x in steps), mean_rpcs=float(np.mean([x[0] for x in steps])),
                    max_bg=max(x[1] + x[2] for x in steps), mean_bg=float(np.mean([x[1] + x[2] for x in steps])),
                    loaded=loaded, phases_us={k: v / prompts * 1e6 for k, v in phases.items()})
@@ -317,19 +324,23 @@ def main() -> None:
             busy = statistics.median(x["busy_p50_us"] for x in ms)
             busy_extras = [m["busy_p50_us"] - b["p50_us"] for m, b in zip(ms, plains)]
             busy_extra = statistics.median(busy_extras)
+            nocopy_extra = statistics.median(m["nocopy_p50_us"] - b["p50_us"] for m, b in zip(ms, plains))
             mx, mean = max(x["max_rpcs"] for x in ms), statistics.mean(x["mean_rpcs"] for x in ms)
             mx_bg, mean_bg = max(x["max_bg"] for x in ms), statistics.mean(x["mean_bg"] for x in ms)
-            print(f"{batch:5d} {mode:>5} {p50:8.0f} {p99:8.0f} {busy:8.0f} {base:16.0f} {extra:9.0f} {busy_extra:10.0f} "
+            print(f"{batch:5d} {mode:>5} {p50:8.0f} {p99:8.0f} {busy:8.0f} {base:16.0f} {extra:9.0f} "
+                  f"{busy_extra:10.0f} "
                   f"{mx:13d} {mean:5.2f} {mx_bg:24d} {mean_bg:5.2f} {min(x['loaded'] for x in ms):7d}")
             results[f"sched_p50_us_{mode}_{batch}"] = p50
             results[f"extra_p50_us_{mode}_{batch}"] = extra
             results[f"busy_extra_p50_us_{mode}_{batch}"] = busy_extra
+            results[f"busy_extra_less_copy_p50_us_{mode}_{batch}"] = nocopy_extra
             results[f"max_rpcs_per_step_{mode}_{batch}"] = mx
 
             def phases(runs: list) -> str:
                 return ", ".join(f"{k} {statistics.mean(x['phases_us'][k] for x in runs):.0f}" for k in runs[0]["phases_us"])
             print(f"{'':11} extra p50 per round: {', '.join(f'{e:.0f}' for e in extras)} (busy: "
-                  f"{', '.join(f'{e:.0f}' for e in busy_extras)}); per request, mean us: "
+                  f"{', '.join(f'{e:.0f}' for e in busy_extras)}; busy less the load-backs' KV copy: "
+                  f"{nocopy_extra:.0f}); per request, mean us: "
                   f"{phases(ms)}   (SGLang alone: {phases(plains)})")
     print("RESULT " + " ".join(f"{k}={v:.3f}" for k, v in results.items()))
 

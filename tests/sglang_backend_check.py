@@ -371,8 +371,9 @@ def engine_holds_the_forwards_kv(e: Engine, tokens: list[int]) -> None:
     assert k.shape[1] == len(tokens), (k.shape, len(tokens))
     toks = torch.tensor(tokens, dtype=torch.float32)[:, None, None]
     for layer in range(LAYERS):
-        assert torch.equal(k[layer], (toks * 10 + layer).expand_as(k[layer])), f"K of layer {layer} is not the forward's"
-        assert torch.equal(v[layer], -(toks * 10 + layer).expand_as(v[layer])), f"V of layer {layer} is not the forward's"
+        want = (toks * 10 + layer).expand_as(k[layer])
+        assert torch.equal(k[layer], want), f"K of layer {layer} is not the forward's"
+        assert torch.equal(v[layer], -want), f"V of layer {layer} is not the forward's"
 
 
 def scenario_a_request_whose_lookup_is_out_waits_in_the_queue(c: CacheClient) -> None:

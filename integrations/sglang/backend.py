@@ -272,6 +272,7 @@ class RadixdRadixCache(RadixCache):
         self.stored_tokens = 0
         self.rpcs = 0  # radixd calls made on the scheduler thread (for tests and benchmarks)
         self.idle_waited = 0.0  # seconds the scheduler waited for lookups with nothing else to run (benchmarks)
+        self.copied_in = 0.0  # seconds the scheduler spent copying load-backs' KV into SGLang's pool (benchmarks)
         self.deadline = lookup_deadline_ms / 1000
         self.asynchronous = tp_size == 1  # with TP every rank must see the lead's decision at the same call
         self._asked: dict[Any, _Asked] = {}
@@ -625,7 +626,9 @@ class RadixdRadixCache(RadixCache):
             at, dst = loads[0][1], loads[0][2]
         else:
             at, dst = np.concatenate([a for _, a, _ in loads]), torch.cat([d for _, _, d in loads])
+        t = time.perf_counter()
         self._copy_in(at, dst)
+        self.copied_in += time.perf_counter() - t
         if self.cuda:
             event = torch.cuda.Event()
             event.record()
