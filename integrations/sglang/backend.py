@@ -475,17 +475,18 @@ class RadixdRadixCache(RadixCache):
                 out.append(asked)
         if not out:
             return None
-        ids = {id(a.req) for a in out}
-        rest = [r for r in waiting if id(r) not in ids]
-        if len(rest) == len(waiting):
+        out_for = {id(a.req): a for a in out}
+        held = [r for r in waiting if id(r) in out_for]  # (a request admitted already is not waited for)
+        if not held:
             return None
-        if not busy and not rest:  # the engine has nothing else to run: wait for the answers (idle time)
+        if not busy and len(held) == len(waiting):  # nothing else to run: wait for the answers (idle time)
             t = time.perf_counter()
-            for a in out:
-                self._collect(a.req.cache_request_handle, max(self.deadline - (time.monotonic() - a.at), 0.0))
+            for r in held:
+                left = self.deadline - (time.monotonic() - out_for[id(r)].at)
+                self._collect(r.cache_request_handle, max(left, 0.0))
             self.idle_waited += time.perf_counter() - t
             return None
-        return rest, [r for r in waiting if id(r) in ids]
+        return [r for r in waiting if id(r) not in out_for], held
 
     # ----------------------------------------------------------------- match
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
