@@ -31,9 +31,10 @@ engine on the node shares (one radixd session per engine: a dead engine loses it
                    finishes everything);
   on_release / release_aborted_request / reset  release every radixd lock the request (or cache) held.
 No radixd call blocks the scheduler thread except a bounded wait for a lookup when the engine has nothing else
-to run (or, without the hooks, in match_prefix), and an Alloc when the slot stock runs short. With radixd started with --kv-events (and no L3 tier) the backend follows
-radixd's events into a local index (client/events.py `LocalIndex`): a prompt radixd holds not even the first page
-of is a miss at once, with no lookup at queue, match or store time (`local_index=False` turns it off).
+to run (or, without the hooks, in match_prefix), and an Alloc when the slot stock runs short. With radixd
+started with --kv-events (and no L3 tier) the backend follows radixd's events into a local index
+(client/events.py `LocalIndex`): a prompt radixd holds not even the first page of is a miss at once, with no
+lookup at queue, match or store time (`local_index=False` turns it off).
 Tensor parallelism: radixd's pool holds every rank's KV heads side by side; rank 0 alone talks to radixd and
 broadcasts its decisions (SGLang's ranks call the cache in lockstep), every rank copies its own heads, and
 a barrier orders the copies before rank 0 unlocks or publishes. With TP the calls stay synchronous (every
@@ -49,9 +50,10 @@ import threading
 import time
 from array import array
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import numpy as np
 import torch
@@ -610,6 +612,17 @@ class RadixdRadixCache(RadixCache):
         finally:
             self._unlock(marker.receipt)
 
+    @contextmanager
+    def admitting(self) -> Iterator[None]:
+        """The scheduler's admission pass: its load-backs are copied together when it ends, before the batch's
+        forward."""
+        self._admitting = True
+        try:
+            yield
+        finally:
+            self._admitting = False
+            self._flush_loads()
+
     def _load(self, handle: Any, at: np.ndarray, dst: torch.Tensor) -> None:
         """A load-back's copy, radixd's slots `at` into SGLang's `dst`: now, or inside the hooked admission pass at
         its end with the pass's other loads in one copy (as HiCache starts a batch's loads once it is formed)."""
@@ -836,8 +849,7 @@ def hook_scheduler(scheduler: Any, cache: RadixdRadixCache) -> None:
     def get_new_batch_prefill(running_batch, *args: Any, **kwargs: Any):
         busy = not running_batch.is_empty() or getattr(scheduler, "chunked_req", None) is not None
         held = cache.hold_back(scheduler.waiting_queue, busy)
-        cache._admitting = True
-        try:
+        with cache.admitting():
             if held is None:
                 return prefill(running_batch, *args, **kwargs)
             scheduler.waiting_queue = held[0]
@@ -845,9 +857,6 @@ def hook_scheduler(scheduler: Any, cache: RadixdRadixCache) -> None:
                 return prefill(running_batch, *args, **kwargs)
             finally:  # (the pass reassigns the queue: the held requests go back at its end)
                 scheduler.waiting_queue.extend(held[1])
-        finally:  # the batch is formed: its load-backs copied, before its forward
-            cache._admitting = False
-            cache._flush_loads()
     scheduler._add_request_to_queue = add_request_to_queue
     scheduler.process_batch_result = process_batch_result
     if prefill is not None:
