@@ -177,11 +177,13 @@ class RadixdImpl:
             self._pub.join()
         return self.published[0], self.published[1]
 
+    # Each side's key is built fresh before its timed call, as SGLang's adapter builds its RadixKey and as the server
+    # decodes a request's tokens just received: neither side reads a key last touched when the workload was made.
     def prep(self, toks, start):
-        return toks, np.arange(start, start + len(toks), dtype=np.int32)
+        return toks.copy(), np.arange(start, start + len(toks), dtype=np.int32)
 
     def prep_key(self, toks):
-        return toks
+        return toks.copy()
 
     def insert(self, k, v):
         r = self.t.insert(k, v)

@@ -151,3 +151,82 @@ def test_native_paths_honour_a_descriptor_on_the_tree_class():
         t.unlock(r)
         assert t.protected_size == 0 and t.evictable_size == 3 and t.check() == []
     assert seen == [0, 3, 0]  # __init__, the C lock, the C unlock: each through the property
+
+
+def _slots_of(node) -> dict:
+    """Every slot of a Node, its links by id (children by their first pages), its lazy digests by presence."""
+    from radixd.server.tree.node import Node
+    out = {}
+    for name in Node.__slots__:
+        v = getattr(node, name)
+        out[name] = (v.id if v is not None else None) if name == "parent" else \
+            {k: c.id for k, c in v.items()} if name == "children" else (v is None) if name == "hashes" else v
+    return out
+
+
+@pytest.mark.parametrize("events", [False, True])
+def test_native_insert_builds_the_nodes_the_method_builds(events):
+    """tree.insert of a native tree is C bound to the tree (no Python frame): its new leaves carry every slot the
+    Python method's Node(...) gives them, each leaf its own children dict, and its tail is a view of the caller's
+    slots as numpy slices one."""
+    pair = [RadixTree(page_size=4, native=n, events=events) for n in (True, False)]
+    assert type(pair[0].insert) is type(len) and pair[0].insert.__self__ is pair[0]
+    assert "insert" not in vars(pair[1])  # the reference keeps the method
+    rng = np.random.default_rng(3)
+    base = rng.integers(0, 1000, 64, dtype=np.int32)
+    slot = 0
+    for cut, extra, kw in [(0, 30, {}), (16, 13, {"priority": 2}), (16, 9, {"chunked": True}), (40, 3, {}),
+                           (0, 64, {"priority": 1, "chunked": False})]:
+        toks = np.concatenate([base[:cut], rng.integers(0, 1000, extra, dtype=np.int32)])
+        vals = np.arange(slot, slot + len(toks), dtype=np.int32)
+        slot += len(toks)
+        out = [t.insert(toks, vals, **kw) for t in pair]
+        assert [(o.prefix_len, o.node_id, o.adopted_len, o.duplicates.tolist(), o.tail.tolist()) for o in out] == \
+            [(o.prefix_len, o.node_id, o.adopted_len, o.duplicates.tolist(), o.tail.tolist()) for o in out[::-1]]
+        tail = out[0].tail
+        assert tail.flags.writeable and tail.base is vals and tail.dtype == np.int32
+        if len(tail):
+            vals[-1] += 1000  # a view, as vals[aligned:] is
+            assert tail[-1] == vals[-1]
+    for nid, node in pair[0]._nodes.items():
+        assert _slots_of(node) == _slots_of(pair[1]._nodes[nid]), nid
+    kids = [n.children for n in pair[0]._nodes.values()]
+    assert len({id(k) for k in kids}) == len(kids)
+    ro = np.frombuffer(np.arange(1000, 1007, dtype=np.int32).tobytes(), dtype=np.int32)  # what the service decodes
+    r = pair[0].insert(np.arange(500, 507, dtype=np.int32), ro)
+    assert r.tail.tolist() == [1004, 1005, 1006] and not r.tail.flags.writeable
+    assert pair[0].check() == [] and pair[1].check() == []
+
+
+def test_native_insert_leaves_every_other_call_to_the_method():
+    """What the bound insert does not take (prev_prefix_len, a namespace not seen yet, slots as bytes or a list, a
+    slot count that does not fit, a bad argument) goes to RadixTree.insert: the same result, the same error."""
+    from radixd.server.tree.errors import InvalidInput
+    pair = [RadixTree(page_size=2, native=n) for n in (True, False)]
+    toks = np.arange(10, dtype=np.int32)
+    calls = [((toks, np.arange(10, dtype=np.int32)), {}),
+             ((toks, np.arange(10, dtype=np.int32), ("", ""), 4), {}),  # prev_prefix_len, positional
+             ((toks, np.arange(10, dtype=np.int32)), {"prev_prefix_len": 6, "namespace": ("", "")}),
+             ((toks[:6], np.arange(20, 26, dtype=np.int32)), {"namespace": ("m", "")}),  # a new namespace
+             ((toks[:8], np.arange(30, 38, dtype=np.int32).tobytes()), {"namespace": ("m", "")}),
+             ((list(range(100, 106)), list(range(40, 46))), {}),
+             ((np.arange(200, 204, dtype=np.int64), np.arange(50, 54, dtype=np.int64)), {})]
+    for args, kw in calls:
+        out = [t.insert(*args, **kw) for t in pair]
+        assert [(o.prefix_len, o.node_id, o.adopted_len, o.duplicates.tolist(), o.tail.tolist()) for o in out] == \
+            [(o.prefix_len, o.node_id, o.adopted_len, o.duplicates.tolist(), o.tail.tolist()) for o in out[::-1]]
+    bad = [((toks, np.arange(9, dtype=np.int32)), {}, InvalidInput),  # 9 slots for 10 tokens
+           ((toks, np.arange(10, dtype=np.int32)), {"prev_prefix_len": 12}, InvalidInput),
+           ((toks, np.arange(10, dtype=np.int32)), {"colour": 1}, TypeError),
+           ((toks, np.arange(10, dtype=np.int32), ("", "")), {"namespace": ("", "")}, TypeError),
+           ((toks,), {}, TypeError)]
+    for args, kw, exc in bad:
+        msgs = []
+        for t in pair:
+            with pytest.raises(exc) as e:
+                t.insert(*args, **kw)
+            msgs.append(str(e.value))
+        assert msgs[0] == msgs[1]
+    for nid, node in pair[0]._nodes.items():
+        assert _slots_of(node) == _slots_of(pair[1]._nodes[nid]), nid
+    assert pair[0].check() == [] and pair[1].check() == []

@@ -44,7 +44,7 @@
 
 static PyObject *s_counters, *s_clock, *s_tick, *s_leaves, *s_hleaves, *s_heap, *s_hheap, *s_heap_seq, *s_key_of,
     *s_compact, *s_dver, *s_hver, *s_handle, *s_nodes, *s_evictable, *s_ev, *s_stored, *s_page_b, *s_protected,
-    *s_receipts, *s_lock, *s_unlock, *s_mctx, *s_prune_root, *s_roots, *s_span, *s_push_raw;
+    *s_receipts, *s_lock, *s_unlock, *s_mctx, *s_prune_root, *s_roots, *s_span, *s_push_raw, *s_ictx;
 static PyObject *heappush, *heappop;  /* _heapq's */
 
 /* A tree's own attributes (its counters, containers and contexts) read and written in its instance dict, for a class
@@ -53,7 +53,7 @@ static PyObject *heappush, *heappop;  /* _heapq's */
 #define TYPE_CACHE 8
 static PyObject **tree_names[] = {&s_counters, &s_clock, &s_tick, &s_leaves, &s_hleaves, &s_heap, &s_hheap, &s_heap_seq,
                                   &s_key_of, &s_handle, &s_nodes, &s_evictable, &s_ev, &s_page_b, &s_protected,
-                                  &s_receipts, &s_mctx, &s_roots};
+                                  &s_receipts, &s_mctx, &s_roots, &s_ictx};
 static PyTypeObject *checked_tp[TYPE_CACHE];
 static char plain_tp[TYPE_CACHE];
 
@@ -75,27 +75,27 @@ static int plain_type(PyTypeObject *tp) {  /* 1: instance dict access is what th
     return plain;
 }
 
-static PyObject *tattr(PyObject *tree, PyObject *name) {
-    PyObject *d = plain_type(Py_TYPE(tree)) ? PyObject_GenericGetDict(tree, NULL) : NULL;
-    if (d == NULL) {
+static PyObject *tree_dict(PyObject *tree) {  /* borrowed; NULL (no error set): use the generic protocol */
+    PyObject **dp = plain_type(Py_TYPE(tree)) ? _PyObject_GetDictPtr(tree) : NULL;
+    if (dp == NULL || *dp == NULL || !PyDict_CheckExact(*dp)) {
         PyErr_Clear();
-        return PyObject_GetAttr(tree, name);
+        return NULL;
     }
+    return *dp;
+}
+
+static PyObject *tattr(PyObject *tree, PyObject *name) {
+    PyObject *d = tree_dict(tree);
+    if (d == NULL)
+        return PyObject_GetAttr(tree, name);
     PyObject *v = PyDict_GetItemWithError(d, name);
     Py_XINCREF(v);
-    Py_DECREF(d);
     return v != NULL || PyErr_Occurred() ? v : PyObject_GetAttr(tree, name);
 }
 
 static int tset(PyObject *tree, PyObject *name, PyObject *v) {
-    PyObject *d = plain_type(Py_TYPE(tree)) ? PyObject_GenericGetDict(tree, NULL) : NULL;
-    if (d == NULL) {
-        PyErr_Clear();
-        return PyObject_SetAttr(tree, name, v);
-    }
-    int r = PyDict_SetItem(d, name, v);
-    Py_DECREF(d);
-    return r;
+    PyObject *d = tree_dict(tree);
+    return d == NULL ? PyObject_SetAttr(tree, name, v) : PyDict_SetItem(d, name, v);
 }
 
 /* A type's __slots__, read and written at their offsets (what their member descriptors do, without the attribute
@@ -186,7 +186,7 @@ typedef struct {
     int nd;
     Py_ssize_t *dimensions, *strides;
     PyObject *base;
-    struct { PyObject_HEAD PyTypeObject *typeobj; char kind, type; } *descr;
+    struct { PyObject_HEAD PyTypeObject *typeobj; char kind, type, byteorder; } *descr;
     int flags;
 } NpArray;
 static PyTypeObject *np_type;
@@ -241,6 +241,8 @@ static int int64_view(PyObject *arr, Py_buffer *view, int flags) {
 typedef PyObject *(*np_new_fn)(PyTypeObject *, int, const Py_ssize_t *, int, const Py_ssize_t *, void *, int, int,
                                PyObject *);
 static np_new_fn np_new;
+typedef int (*np_setbase_fn)(PyObject *, PyObject *);  /* PyArray_SetBaseObject: entry 282, steals the base */
+static np_setbase_fn np_setbase;
 
 static void np_api(void) {
     static int tried;
@@ -278,6 +280,34 @@ static void np_api(void) {
             return;
     }
     np_new = f;
+    /* a view made with it over a vector's data, its base set: proven by the view reading the vector's own item */
+    np_setbase_fn setbase = (np_setbase_fn)api[282];
+    Py_ssize_t two = 2, one = 1;
+    PyObject *owner = f(np_type, 1, &two, 5, NULL, NULL, 0, 0, NULL), *view = NULL;
+    if (owner != NULL) {
+        ((int *)((NpArray *)owner)->data)[1] = 0x5eed;
+        view = f(np_type, 1, &one, 5, NULL, ((NpArray *)owner)->data + 4, 0, 0x1 | 0x100, NULL);
+    }
+    if (view != NULL && setbase(view, Py_NewRef(owner)) == 0 && ((NpArray *)view)->base == owner &&
+        Py_REFCNT(owner) == 2 && ((int *)((NpArray *)view)->data)[0] == 0x5eed && !(((NpArray *)view)->flags & 0x4))
+        np_setbase = setbase;
+    Py_XDECREF(view);
+    Py_XDECREF(owner);
+    PyErr_Clear();
+}
+
+/* arr[start:] of a C-contiguous int32 vector arr, as numpy slices it (a view, writeable as arr is). */
+static PyObject *tail_of(PyObject *arr, Py_ssize_t start) {
+    np_api();
+    NpArray *a = (NpArray *)arr;
+    if (np_setbase == NULL || Py_TYPE(arr) != np_type || a->nd != 1 || a->strides[0] != 4 || a->descr->type != 'i' ||
+        !(a->flags & 0x1) || start < 0 || start > a->dimensions[0])
+        return PySequence_GetSlice(arr, start, PY_SSIZE_T_MAX);
+    Py_ssize_t n = a->dimensions[0] - start;
+    PyObject *view = np_new(np_type, 1, &n, 5, NULL, a->data + 4 * start, 0, 0x1 | 0x100 | (a->flags & 0x400), NULL);
+    if (view != NULL && np_setbase(view, Py_NewRef(arr)) < 0)
+        Py_CLEAR(view);
+    return view;
 }
 
 /* A new int64 (wide) or int32 vector of n items: numpy's own constructor where proven, else empty(n, dtype). */
@@ -409,7 +439,7 @@ static PyObject *find_child(PyObject *children, const char *page, Py_ssize_t pb)
 static int read_key(PyObject *obj, Py_buffer *key) {
     NpArray *ka = (NpArray *)obj;
     if (Py_TYPE(ka) == np_type && ka->nd == 1 && ka->strides[0] == 4 && ka->descr->kind == 'i' &&
-        ka->descr->type == 'i' && (ka->flags & 0x1)) {  /* numpy's fields, as proven by np_learn */
+        ka->descr->type == 'i' && ka->descr->byteorder != '>' && (ka->flags & 0x1)) {  /* as proven by np_learn */
         key->obj = NULL;
         key->buf = ka->data;
         key->len = ka->dimensions[0] * 4;
@@ -1374,6 +1404,97 @@ static PyObject *bytes_cold(const char *src, Py_ssize_t len) {
 
 /* A new leaf under parent (RadixTree.insert's tail, device only): id minted, the next tick, in parent's children, the
  * node index and the D-leaf set; parent leaves that set; evictable tokens grow; a STORED event when events are on. */
+/* Node(id, parent, key, value, tick, priority, ns) without running its Python __init__: a fresh instance of the
+ * class whose every slot is set as __init__ sets it. Learned once from a probe instance made by the class itself with
+ * arguments no other slot could hold: a slot holding an argument takes that argument, `children` a new empty dict,
+ * and every other slot the probe's own value, which must be an int, a bool or None (shared safely). A class that
+ * does anything else (another mutable default, an argument stored twice or not at all, a __dict__) keeps its
+ * __init__. */
+#define NODE_MAX_SLOTS 32
+static const char *const node_arg_names[] = {"id", "parent", "key", "value", "last_access", "priority", "ns",
+                                             "created", "children"};
+static const int node_arg_of[] = {0, 1, 2, 3, 4, 5, 6, 4, -1};  /* the argument each of those slots takes */
+static struct {
+    PyTypeObject *tp;  /* learned for this class (NULL: not yet) */
+    int usable, n;
+    Py_ssize_t off[NODE_MAX_SLOTS];
+    int arg[NODE_MAX_SLOTS];      /* -1: a new dict; -2: the constant below; else the argument's index */
+    PyObject *value[NODE_MAX_SLOTS];
+} node_tpl;
+
+static void learn_node(PyTypeObject *tp) {
+    node_tpl.tp = tp;
+    Py_INCREF(tp);
+    node_tpl.usable = 0;
+    node_tpl.n = 0;
+    if (!(tp->tp_flags & Py_TPFLAGS_HEAPTYPE) || tp->tp_dictoffset != 0 || tp->tp_members == NULL ||
+        tp->tp_alloc == NULL)
+        return;
+    PyObject *probe_args[7] = {PyLong_FromLongLong(1LL << 52), Py_NewRef(Py_None), PyBytes_FromString("probe key"),
+                               PyBytes_FromString("probe value"), PyLong_FromLongLong((1LL << 52) + 1),
+                               PyLong_FromLongLong((1LL << 52) + 2), PyTuple_Pack(1, Py_None)};
+    PyObject *probe = NULL;
+    int ok = 1;
+    for (int i = 0; i < 7; i++)
+        ok &= probe_args[i] != NULL;
+    if (ok)
+        probe = PyObject_Vectorcall((PyObject *)tp, probe_args, 7, NULL);
+    ok = probe != NULL && Py_TYPE(probe) == tp;
+    int seen[9] = {0};
+    for (PyMemberDef *m = tp->tp_members; ok && m->name != NULL; m++) {
+        if (m->type != T_OBJECT_EX || (m->flags & READONLY) || node_tpl.n == NODE_MAX_SLOTS) {
+            ok = 0;
+            break;
+        }
+        PyObject *v = *at(probe, m->offset);
+        int k = node_tpl.n, named = -1;
+        for (int j = 0; j < 9; j++)
+            if (strcmp(m->name, node_arg_names[j]) == 0)
+                named = j;
+        node_tpl.off[k] = m->offset;
+        node_tpl.value[k] = NULL;
+        if (named >= 0) {
+            int a = node_arg_of[named];
+            seen[named]++;
+            ok = a < 0 ? v != NULL && PyDict_CheckExact(v) && PyDict_GET_SIZE(v) == 0 : v == probe_args[a];
+            node_tpl.arg[k] = a;
+        } else {
+            for (int a = 0; a < 7; a++)  /* None (the probe's parent) is a default too */
+                ok &= a == 1 || v != probe_args[a];
+            ok &= v != NULL && (v == Py_None || PyBool_Check(v) || PyLong_CheckExact(v));
+            node_tpl.arg[k] = -2;
+            node_tpl.value[k] = Py_XNewRef(v);
+        }
+        node_tpl.n++;
+    }
+    for (int j = 0; j < 9; j++)
+        ok &= seen[j] == 1;
+    node_tpl.usable = ok;
+    Py_XDECREF(probe);
+    for (int i = 0; i < 7; i++)
+        Py_XDECREF(probe_args[i]);
+    PyErr_Clear();
+}
+
+static PyObject *make_node(PyObject *cls, PyObject *const *args) {  /* Node(*args[:7]) */
+    PyTypeObject *tp = (PyTypeObject *)cls;
+    if (node_tpl.tp == NULL && PyType_Check(cls))
+        learn_node(tp);
+    if (node_tpl.tp != tp || !node_tpl.usable)
+        return PyObject_Vectorcall(cls, args, 7, NULL);
+    PyObject *children = PyDict_New(), *node = children ? tp->tp_alloc(tp, 0) : NULL;
+    if (node == NULL) {
+        Py_XDECREF(children);
+        return NULL;
+    }
+    for (int k = 0; k < node_tpl.n; k++) {
+        int a = node_tpl.arg[k];
+        *at(node, node_tpl.off[k]) = a == -1 ? Py_NewRef(children) : Py_NewRef(a == -2 ? node_tpl.value[k] : args[a]);
+    }
+    Py_DECREF(children);
+    return node;
+}
+
 static PyObject *new_leaf(PyObject *tree, PyObject *parent, const char *kb, const char *vb, Py_ssize_t len,
                           Py_ssize_t pb, Py_ssize_t tick, PyObject *priority, int chunked, PyObject *ns,
                           PyObject *ctx) {
@@ -1386,7 +1507,7 @@ static PyObject *new_leaf(PyObject *tree, PyObject *parent, const char *kb, cons
     PyObject *targs[7] = {id, parent, key, val, NULL, priority, ns};
     if ((targs[4] = PyLong_FromSsize_t(tick)) == NULL)
         goto done;
-    leaf = PyObject_Vectorcall(PyTuple_GET_ITEM(ctx, 1), targs, 7, NULL);
+    leaf = make_node(PyTuple_GET_ITEM(ctx, 1), targs);
     Py_DECREF(targs[4]);
     if (leaf == NULL || (children = fget(parent, FN_CHILDREN)) == NULL || PyDict_SetItem(children, first, leaf) < 0 ||
         (nodes = tattr(tree, s_nodes)) == NULL || PyDict_SetItem(nodes, id, leaf) < 0 ||
@@ -1425,6 +1546,10 @@ done:
  * without a host tier, after its checks: the descent along key's first n bytes, each walked node's tick, priority,
  * hit and leaf entry, the duplicate slots (those walked past prev, copied), the new leaf, the counter, the result.
  * ctx: (InsertResult, Node, GPU, empty, int32 dtype, no slots, LRU key, heap slack, heap floor). */
+static PyObject *insert_impl(PyObject *tree, PyObject *root, PyObject *vals_obj, Py_buffer key, Py_buffer vals,
+                             Py_ssize_t n, Py_ssize_t prev, PyObject *priority, int chunked, PyObject *ns,
+                             PyObject *ctx);
+
 static PyObject *full_insert(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 10 || !PyTuple_Check(args[9]) || PyTuple_GET_SIZE(args[9]) != 9) {
         PyErr_SetString(PyExc_TypeError, "full_insert(tree, root, key, vals, n, prev, priority, chunked, ns, ctx: "
@@ -1432,13 +1557,8 @@ static PyObject *full_insert(PyObject *Py_UNUSED(self), PyObject *const *args, P
                                          "heap_floor))");
         return NULL;
     }
-    PyObject *tree = args[0], *root = args[1], *priority = args[6], *ns = args[8], *ctx = args[9];
-    layout_of(&full_layout, Py_TYPE(root));
     Py_ssize_t n = PyLong_AsSsize_t(args[4]), prev = PyLong_AsSsize_t(args[5]);
     int chunked = PyObject_IsTrue(args[7]);
-    PyObject *pbo = tattr(tree, s_page_b);
-    Py_ssize_t pb = pbo ? PyLong_AsSsize_t(pbo) : -1;
-    Py_XDECREF(pbo);
     if (PyErr_Occurred() || chunked < 0)
         return NULL;
     Py_buffer key, vals;
@@ -1449,9 +1569,22 @@ static PyObject *full_insert(PyObject *Py_UNUSED(self), PyObject *const *args, P
         int64_release(&key);
         return got < 0 ? NULL : Py_NewRef(Py_NotImplemented);
     }
+    return insert_impl(args[0], args[1], args[3], key, vals, n, prev, args[6], chunked, args[8], args[9]);
+}
+
+/* full_insert's work on keys read in place (both views released here); vals_obj: the slots' own object. */
+static PyObject *insert_impl(PyObject *tree, PyObject *root, PyObject *vals_obj, Py_buffer key, Py_buffer vals,
+                             Py_ssize_t n, Py_ssize_t prev, PyObject *priority, int chunked, PyObject *ns,
+                             PyObject *ctx) {
+    layout_of(&full_layout, Py_TYPE(root));
+    PyObject *pbo = tattr(tree, s_page_b);
+    Py_ssize_t pb = pbo ? PyLong_AsSsize_t(pbo) : -1;
+    Py_XDECREF(pbo);
     PyObject *out = NULL, *counters = NULL, *dup = NULL, *node = root, *leaf = NULL;  /* node: borrowed */
     Path path;
     path_init(&path);
+    if (PyErr_Occurred())
+        goto done;
     if (pb <= 0 || pb % 4 || n < 0 || n > key.len || n % pb || n > vals.len || prev < 0 || 4 * prev > n) {
         PyErr_Format(PyExc_ValueError, "full_insert: %zd bytes of a %zd-byte key, %zd of slots, pages of %zd, "
                                        "prev %zd", n, key.len, vals.len, pb, prev);
@@ -1512,7 +1645,7 @@ static PyObject *full_insert(PyObject *Py_UNUSED(self), PyObject *const *args, P
     if (ladd(&icounters_layout, counters, 0, (off - walked) / 4, &now) < 0)
         goto done;
     PyObject *res[7] = {PyLong_FromSsize_t(walked / 4), fget(node, FN_ID), dup,
-                        PyLong_FromSsize_t((off - walked) / 4), PySequence_GetSlice(args[3], off / 4, PY_SSIZE_T_MAX),
+                        PyLong_FromSsize_t((off - walked) / 4), tail_of(vals_obj, off / 4),
                         PyLong_FromLong(0), PyTuple_New(0)};
     dup = NULL;
     out = make_result(&insert_layout, PyTuple_GET_ITEM(ctx, 0), res, 7);
@@ -1704,6 +1837,92 @@ static PyMethodDef bound_defs[] = {
     {"unlock", (PyCFunction)(void (*)(void))bound_unlock, METH_FASTCALL,
      "RadixTree.unlock, native (see unlock_handle)."},
 };
+
+/* RadixTree.insert bound to a native tree without a host tier or bigram keys (tree.insert): the common call, keys and
+ * slots read in place, goes straight to insert_impl; anything else (another argument type, a slot count that does
+ * not fit, prev_prefix_len, a namespace not seen yet, a bad argument) to the method, which checks and raises. */
+static PyObject *s_insert, *insert_kw[4], *default_ns, *s_zero;
+
+static PyObject *bound_insert(PyObject *tree, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf), nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    PyObject *opt[4] = {default_ns, NULL, NULL, NULL};  /* namespace, prev_prefix_len, priority, chunked */
+    int fast = nargs >= 2 && nargs <= 6;
+    for (Py_ssize_t i = 2; i < nargs && fast; i++)
+        opt[i - 2] = args[i];
+    for (Py_ssize_t k = 0; k < nkw && fast; k++) {
+        PyObject *name = PyTuple_GET_ITEM(kwnames, k);
+        int at_ = -1;
+        for (int j = 0; j < 4 && at_ < 0; j++)
+            if (name == insert_kw[j] || PyUnicode_Compare(name, insert_kw[j]) == 0)
+                at_ = j;
+        fast = at_ >= 0 && at_ + 2 >= nargs;  /* a name the method knows, not given twice */
+        if (fast)
+            opt[at_] = args[nargs + k];
+    }
+    PyObject *root = NULL, *ctx = NULL, *roots = NULL;
+    int chunked = 0;
+    fast = fast && (opt[1] == NULL || (PyLong_CheckExact(opt[1]) && PyLong_AsSsize_t(opt[1]) == 0)) &&
+           (opt[2] == NULL || PyLong_CheckExact(opt[2])) && (opt[3] == NULL || (chunked = PyObject_IsTrue(opt[3])) >= 0);
+    if (fast && (roots = tattr(tree, s_roots)) != NULL && PyDict_CheckExact(roots))
+        root = PyDict_GetItemWithError(roots, opt[0]);  /* borrowed; NULL: a namespace the method creates */
+    if (root != NULL && (ctx = tattr(tree, s_ictx)) != NULL &&
+        (!PyTuple_CheckExact(ctx) || PyTuple_GET_SIZE(ctx) != 9))
+        Py_CLEAR(ctx);
+    PyErr_Clear();
+    Py_buffer key, vals;
+    int got = ctx != NULL && Py_TYPE(args[1]) == np_type ? read_key(args[0], &key) : 0;
+    if (got > 0 && (got = read_key(args[1], &vals)) <= 0)
+        int64_release(&key);
+    if (got > 0 && vals.len != key.len) {  /* the method says why */
+        int64_release(&key);
+        int64_release(&vals);
+        got = 0;
+    }
+    PyObject *out = NULL;
+    if (got > 0) {
+        PyObject *pbo = tattr(tree, s_page_b);
+        Py_ssize_t pb = pbo && PyLong_Check(pbo) ? PyLong_AsSsize_t(pbo) : 0;
+        Py_XDECREF(pbo);
+        PyErr_Clear();
+        if (pb > 0) {
+            Py_INCREF(root);  /* held across the insert, which may prune nothing but is no place to borrow */
+            out = insert_impl(tree, root, args[1], key, vals, key.len - key.len % pb, 0,
+                              opt[2] ? opt[2] : s_zero, chunked,
+                              opt[0], ctx);
+            Py_DECREF(root);
+        } else {
+            int64_release(&key);
+            int64_release(&vals);
+            got = 0;
+        }
+    }
+    Py_XDECREF(roots);
+    Py_XDECREF(ctx);
+    if (got > 0)
+        return out;  /* insert_impl's result or its error */
+    PyErr_Clear();
+    PyObject *stack[16], *fn = _PyType_Lookup(Py_TYPE(tree), s_insert);  /* borrowed */
+    if (fn == NULL || nargs + nkw + 1 > 16) {
+        PyErr_SetString(PyExc_TypeError, "insert(tokens, values, namespace, prev_prefix_len, priority, chunked)");
+        return NULL;
+    }
+    stack[0] = tree;
+    for (Py_ssize_t i = 0; i < nargs + nkw; i++)
+        stack[i + 1] = args[i];
+    return PyObject_Vectorcall(fn, stack, (size_t)(nargs + 1), kwnames);
+}
+
+static PyMethodDef insert_def = {"insert", (PyCFunction)(void (*)(void))bound_insert, METH_FASTCALL | METH_KEYWORDS,
+                                 "RadixTree.insert, native (see bound_insert)."};
+
+static PyObject *bind_insert(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "bind_insert(tree, default_namespace)");
+        return NULL;
+    }
+    Py_XSETREF(default_ns, Py_NewRef(args[1]));
+    return PyCFunction_New(&insert_def, args[0]);
+}
 
 static PyObject *bind_locks(PyObject *Py_UNUSED(self), PyObject *tree) {
     PyObject *lock = PyCFunction_New(&bound_defs[0], tree);
@@ -2056,6 +2275,8 @@ static PyMethodDef methods[] = {
      "RadixTree.unlock of a device-anchored receipt (native trees bind it as tree.unlock); anything else: the method."},
     {"bind_locks", bind_locks, METH_O,
      "(lock, unlock): lock_handle and unlock_handle bound to one tree as builtin methods (a native tree's own)."},
+    {"bind_insert", (PyCFunction)(void (*)(void))bind_insert, METH_FASTCALL,
+     "RadixTree.insert bound to one native tree without a host tier: the common call in C, the rest the method's."},
     {"full_insert", (PyCFunction)(void (*)(void))full_insert, METH_FASTCALL,
      "RadixTree.insert without a host tier, after its checks: descent, walked nodes, duplicates, new leaf, result."},
     {"key_tokens", key_tokens, METH_O, "Tokens of a key read in place, or -1 for one to pack first."},
@@ -2088,10 +2309,14 @@ PyMODINIT_FUNC PyInit__hwalk(void) {
         {&s_nodes, "_nodes"}, {&s_evictable, "evictable_size"}, {&s_ev, "_ev"},
         {&s_stored, "_stored"}, {&s_page_b, "_page_b"}, {&s_protected, "protected_size"}, {&s_receipts, "_receipts"},
         {&s_lock, "lock"}, {&s_unlock, "unlock"}, {&s_mctx, "_mctx"}, {&s_prune_root, "_prune_root"},
-        {&s_roots, "_roots"}, {&s_span, "_span"}, {&s_push_raw, "push_raw"}};
+        {&s_roots, "_roots"}, {&s_span, "_span"}, {&s_push_raw, "push_raw"}, {&s_insert, "insert"},
+        {&s_ictx, "_ictx"}, {&insert_kw[0], "namespace"}, {&insert_kw[1], "prev_prefix_len"},
+        {&insert_kw[2], "priority"}, {&insert_kw[3], "chunked"}};
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
         if ((*names[i].at = PyUnicode_InternFromString(names[i].name)) == NULL)
             return NULL;
+    if ((s_zero = PyLong_FromLong(0)) == NULL)
+        return NULL;
     PyObject *hq = PyImport_ImportModule("_heapq");
     heappush = hq ? PyObject_GetAttrString(hq, "heappush") : NULL;
     heappop = hq ? PyObject_GetAttrString(hq, "heappop") : NULL;

@@ -144,6 +144,8 @@ class RadixTree(TransferMixin, StorageMixin):
         self._walk = _hwalk if native else None  # match and lock walks in C; None: the Python loops (their reference)
         if self._walk is not None:  # lock and unlock go straight to C, no Python frame; the methods take the rare cases
             self.lock, self.unlock = _hwalk.bind_locks(self)
+            if not self.host and not bigram and type(self).insert is RadixTree.insert:  # likewise insert's common call
+                self.insert = _hwalk.bind_insert(self, DEFAULT_NS)
         # what the C match builds with, and the lazy heaps' bound it keeps when it re-pushes a leaf
         self._mctx = (MatchResult, np.empty, _I32, _EMPTY, page_size, POLICIES["lru"], HEAP_SLACK, HEAP_FLOOR)
         self._ictx = (InsertResult, Node, GPU, np.empty, _I32, _EMPTY, POLICIES["lru"], HEAP_SLACK, HEAP_FLOOR)
