@@ -195,6 +195,8 @@ def test_native_insert_builds_the_nodes_the_method_builds(events):
     ro = np.frombuffer(np.arange(1000, 1007, dtype=np.int32).tobytes(), dtype=np.int32)  # what the service decodes
     r = pair[0].insert(np.arange(500, 507, dtype=np.int32), ro)
     assert r.tail.tolist() == [1004, 1005, 1006] and not r.tail.flags.writeable
+    paths = tree_mod._hwalk.fast_paths()
+    assert paths["node_template"] and paths["numpy_view"], paths  # what ran above is the C path, not its fallback
     assert pair[0].check() == [] and pair[1].check() == []
 
 

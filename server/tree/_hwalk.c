@@ -30,6 +30,8 @@
  * full_evict(tree, num_tokens, ctx) -> EvictResult: evict without a host tier
  * lock_handle(tree, node_id) -> receipt, unlock_handle(tree, receipt) -> None
  *     lock and unlock themselves, bound to a native tree (the methods take the rare cases)
+ * bind_insert(tree, default_namespace) -> insert itself, bound likewise to a native tree without a host tier
+ *     (full_insert's work for the common call; the method takes the rest)
  *     RadixTree.match_prefix after its root, insert's descent (the whole insert without a host tier), and the
  *     device lock walks (see each function).
  * numpy's array fields and constructor are used directly once they have proven themselves (int64_view, np_api).
@@ -2251,8 +2253,9 @@ done:
 }
 
 static PyObject *fast_paths(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(args)) {
-    return Py_BuildValue("{sOsOsOsOsOsOsO}", "numpy_fields", np_type ? Py_True : Py_False, "numpy_new",
-                         np_new ? Py_True : Py_False, "result_slots", result_layout.tp ? Py_True : Py_False,
+    return Py_BuildValue("{sOsOsOsOsOsOsOsOsO}", "numpy_fields", np_type ? Py_True : Py_False, "numpy_new",
+                         np_new ? Py_True : Py_False, "numpy_view", np_setbase ? Py_True : Py_False, "node_template",
+                         node_tpl.usable ? Py_True : Py_False, "result_slots", result_layout.tp ? Py_True : Py_False,
                          "counter_slots", counters_layout.tp ? Py_True : Py_False, "match_slots",
                          match_layout.tp ? Py_True : Py_False, "node_slots", full_layout.tp ? Py_True : Py_False,
                          "hnode_slots", node_layout.tp ? Py_True : Py_False);
@@ -2281,7 +2284,8 @@ static PyMethodDef methods[] = {
      "RadixTree.insert without a host tier, after its checks: descent, walked nodes, duplicates, new leaf, result."},
     {"key_tokens", key_tokens, METH_O, "Tokens of a key read in place, or -1 for one to pack first."},
     {"fast_paths", fast_paths, METH_NOARGS,
-     "Which fast paths this process proved: numpy's fields and constructor, each known type's slots."},
+     "Which fast paths this process proved: numpy's fields, constructor and views, the Node template, each known "
+     "type's slots."},
     {"match", (PyCFunction)(void (*)(void))match, METH_FASTCALL, "HybridTree.match_prefix's walk and refresh."},
     {"lock_path", (PyCFunction)(void (*)(void))lock_path, METH_FASTCALL,
      "A FULL lock on node's path (delta 1) or its release (-1): the tokens whose lock went 0 -> 1 or 1 -> 0."},
