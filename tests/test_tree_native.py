@@ -232,3 +232,24 @@ def test_native_insert_leaves_every_other_call_to_the_method():
     for nid, node in pair[0]._nodes.items():
         assert _slots_of(node) == _slots_of(pair[1]._nodes[nid]), nid
     assert pair[0].check() == [] and pair[1].check() == []
+
+
+def test_node_template_refuses_a_node_class_it_cannot_copy():
+    """The C insert builds a leaf from a template learned from two probe Node(...) calls only where every slot is an
+    argument, a fresh children dict, or a constant int/bool/None; a class whose __init__ derives a slot from its
+    arguments, gives a mutable default, leaves a slot unset or stores an argument twice keeps its __init__."""
+    from radixd.server.tree.node import Node
+    usable = tree_mod._hwalk.node_template_usable
+
+    def variant(name, extra):
+        def init(self, *args):
+            Node.__init__(self, *args)
+            extra(self)
+        return type(name, (), {"__slots__": Node.__slots__, "__init__": init})
+
+    assert usable(Node) and usable(type("Same", (), {"__slots__": Node.__slots__, "__init__": Node.__init__}))
+    assert not usable(variant("Derived", lambda n: setattr(n, "hpin", len(n.key))))
+    assert not usable(variant("Mutable", lambda n: setattr(n, "hashes", [])))
+    assert not usable(variant("Unset", lambda n: delattr(n, "created")))
+    assert not usable(variant("Twice", lambda n: setattr(n, "hpin", n.priority)))
+    assert not usable(type("WithDict", (), {"__init__": Node.__init__}))  # instances with a __dict__

@@ -1409,79 +1409,92 @@ static PyObject *bytes_cold(const char *src, Py_ssize_t len) {
 /* Node(id, parent, key, value, tick, priority, ns) without running its Python __init__: a fresh instance of the
  * class whose every slot is set as __init__ sets it. Learned once from a probe instance made by the class itself with
  * arguments no other slot could hold: a slot holding an argument takes that argument, `children` a new empty dict,
- * and every other slot the probe's own value, which must be an int, a bool or None (shared safely). A class that
- * does anything else (another mutable default, an argument stored twice or not at all, a __dict__) keeps its
- * __init__. */
+ * and every other slot the probe's own value, which must be an int, a bool or None (shared safely) and the same in
+ * a second probe made with other arguments (not derived from them). A class that does anything else (another
+ * mutable default, a value computed from its arguments, an argument stored twice or not at all, a __dict__) keeps
+ * its __init__. */
 #define NODE_MAX_SLOTS 32
 static const char *const node_arg_names[] = {"id", "parent", "key", "value", "last_access", "priority", "ns",
                                              "created", "children"};
 static const int node_arg_of[] = {0, 1, 2, 3, 4, 5, 6, 4, -1};  /* the argument each of those slots takes */
-static struct {
+typedef struct {
     PyTypeObject *tp;  /* learned for this class (NULL: not yet) */
     int usable, n;
     Py_ssize_t off[NODE_MAX_SLOTS];
     int arg[NODE_MAX_SLOTS];      /* -1: a new dict; -2: the constant below; else the argument's index */
     PyObject *value[NODE_MAX_SLOTS];
-} node_tpl;
+} NodeTemplate;
+static NodeTemplate node_tpl;  /* the tree's Node class (the first class make_node sees) */
 
-static void learn_node(PyTypeObject *tp) {
-    node_tpl.tp = tp;
+static void learn_node(NodeTemplate *tpl, PyTypeObject *tp) {
+    NodeTemplate t;  /* filled here, then copied out */
+    memset(&t, 0, sizeof(t));
+    t.tp = tp;
     Py_INCREF(tp);
-    node_tpl.usable = 0;
-    node_tpl.n = 0;
+    *tpl = t;
     if (!(tp->tp_flags & Py_TPFLAGS_HEAPTYPE) || tp->tp_dictoffset != 0 || tp->tp_members == NULL ||
         tp->tp_alloc == NULL)
         return;
+    /* two probes with different arguments: a slot __init__ derives from its arguments differs between them */
     PyObject *probe_args[7] = {PyLong_FromLongLong(1LL << 52), Py_NewRef(Py_None), PyBytes_FromString("probe key"),
                                PyBytes_FromString("probe value"), PyLong_FromLongLong((1LL << 52) + 1),
                                PyLong_FromLongLong((1LL << 52) + 2), PyTuple_Pack(1, Py_None)};
-    PyObject *probe = NULL;
+    PyObject *other_args[7] = {PyLong_FromLongLong(3LL << 52), Py_NewRef(Py_None),
+                               PyBytes_FromString("another, longer probe key"), PyBytes_FromString("v"),
+                               PyLong_FromLongLong((3LL << 52) + 5), PyLong_FromLong(-7), PyTuple_Pack(2, Py_None, Py_None)};
+    PyObject *probe = NULL, *other = NULL;
     int ok = 1;
     for (int i = 0; i < 7; i++)
-        ok &= probe_args[i] != NULL;
-    if (ok)
-        probe = PyObject_Vectorcall((PyObject *)tp, probe_args, 7, NULL);
-    ok = probe != NULL && Py_TYPE(probe) == tp;
+        ok &= probe_args[i] != NULL && other_args[i] != NULL;
+    if (ok && (probe = PyObject_Vectorcall((PyObject *)tp, probe_args, 7, NULL)) != NULL)
+        other = PyObject_Vectorcall((PyObject *)tp, other_args, 7, NULL);
+    ok = probe != NULL && Py_TYPE(probe) == tp && other != NULL && Py_TYPE(other) == tp;
     int seen[9] = {0};
     for (PyMemberDef *m = tp->tp_members; ok && m->name != NULL; m++) {
-        if (m->type != T_OBJECT_EX || (m->flags & READONLY) || node_tpl.n == NODE_MAX_SLOTS) {
+        if (m->type != T_OBJECT_EX || (m->flags & READONLY) || t.n == NODE_MAX_SLOTS) {
             ok = 0;
             break;
         }
         PyObject *v = *at(probe, m->offset);
-        int k = node_tpl.n, named = -1;
+        int k = t.n, named = -1;
         for (int j = 0; j < 9; j++)
             if (strcmp(m->name, node_arg_names[j]) == 0)
                 named = j;
-        node_tpl.off[k] = m->offset;
-        node_tpl.value[k] = NULL;
+        t.off[k] = m->offset;
+        t.value[k] = NULL;
         if (named >= 0) {
             int a = node_arg_of[named];
             seen[named]++;
             ok = a < 0 ? v != NULL && PyDict_CheckExact(v) && PyDict_GET_SIZE(v) == 0 : v == probe_args[a];
-            node_tpl.arg[k] = a;
+            t.arg[k] = a;
         } else {
             for (int a = 0; a < 7; a++)  /* None (the probe's parent) is a default too */
                 ok &= a == 1 || v != probe_args[a];
-            ok &= v != NULL && (v == Py_None || PyBool_Check(v) || PyLong_CheckExact(v));
-            node_tpl.arg[k] = -2;
-            node_tpl.value[k] = Py_XNewRef(v);
+            PyObject *w = *at(other, m->offset);
+            ok &= v != NULL && (v == Py_None || PyBool_Check(v) || PyLong_CheckExact(v)) && w != NULL &&
+                  Py_TYPE(w) == Py_TYPE(v) && PyObject_RichCompareBool(v, w, Py_EQ) == 1;
+            t.arg[k] = -2;
+            t.value[k] = Py_XNewRef(v);
         }
-        node_tpl.n++;
+        t.n++;
     }
     for (int j = 0; j < 9; j++)
         ok &= seen[j] == 1;
-    node_tpl.usable = ok;
+    t.usable = ok;
+    *tpl = t;
     Py_XDECREF(probe);
-    for (int i = 0; i < 7; i++)
+    Py_XDECREF(other);
+    for (int i = 0; i < 7; i++) {
         Py_XDECREF(probe_args[i]);
+        Py_XDECREF(other_args[i]);
+    }
     PyErr_Clear();
 }
 
 static PyObject *make_node(PyObject *cls, PyObject *const *args) {  /* Node(*args[:7]) */
     PyTypeObject *tp = (PyTypeObject *)cls;
     if (node_tpl.tp == NULL && PyType_Check(cls))
-        learn_node(tp);
+        learn_node(&node_tpl, tp);
     if (node_tpl.tp != tp || !node_tpl.usable)
         return PyObject_Vectorcall(cls, args, 7, NULL);
     PyObject *children = PyDict_New(), *node = children ? tp->tp_alloc(tp, 0) : NULL;
@@ -2252,6 +2265,19 @@ done:
     return out;
 }
 
+static PyObject *node_template_usable(PyObject *Py_UNUSED(self), PyObject *cls) {
+    if (!PyType_Check(cls)) {
+        PyErr_SetString(PyExc_TypeError, "node_template_usable(cls): a class");
+        return NULL;
+    }
+    NodeTemplate t;
+    learn_node(&t, (PyTypeObject *)cls);
+    for (int k = 0; k < t.n; k++)
+        Py_XDECREF(t.value[k]);
+    Py_DECREF(t.tp);
+    return PyBool_FromLong(t.usable);
+}
+
 static PyObject *fast_paths(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(args)) {
     return Py_BuildValue("{sOsOsOsOsOsOsOsOsO}", "numpy_fields", np_type ? Py_True : Py_False, "numpy_new",
                          np_new ? Py_True : Py_False, "numpy_view", np_setbase ? Py_True : Py_False, "node_template",
@@ -2283,6 +2309,8 @@ static PyMethodDef methods[] = {
     {"full_insert", (PyCFunction)(void (*)(void))full_insert, METH_FASTCALL,
      "RadixTree.insert without a host tier, after its checks: descent, walked nodes, duplicates, new leaf, result."},
     {"key_tokens", key_tokens, METH_O, "Tokens of a key read in place, or -1 for one to pack first."},
+    {"node_template_usable", node_template_usable, METH_O,
+     "Whether new leaves of this Node class could be built from a learned template (else its __init__ runs)."},
     {"fast_paths", fast_paths, METH_NOARGS,
      "Which fast paths this process proved: numpy's fields, constructor and views, the Node template, each known "
      "type's slots."},
