@@ -30,11 +30,13 @@
  * full_evict(tree, num_tokens, ctx) -> EvictResult: evict without a host tier
  * lock_handle(tree, node_id) -> receipt, unlock_handle(tree, receipt) -> None
  *     lock and unlock themselves, bound to a native tree (the methods take the rare cases)
- * bind_insert(tree, default_namespace) -> insert itself, bound likewise to a native tree without a host tier
- *     (full_insert's work for the common call; the method takes the rest)
  *     RadixTree.match_prefix after its root, insert's descent (the whole insert without a host tier), and the
  *     device lock walks (see each function).
- * numpy's array fields and constructor are used directly once they have proven themselves (int64_view, np_api).
+ * bind_insert(tree, default_namespace) -> insert itself, bound likewise to a native tree without a host tier
+ *     (full_insert's work for the common call; the method takes the rest); its new leaves are built from a
+ *     template learned from the Node class (make_node) where the class allows it (node_template_usable)
+ * numpy's array fields, constructor and views are used directly once they have proven themselves (int64_view,
+ * np_api).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -1404,8 +1406,6 @@ static PyObject *bytes_cold(const char *src, Py_ssize_t len) {
     return PyBytes_FromStringAndSize(src, len);
 }
 
-/* A new leaf under parent (RadixTree.insert's tail, device only): id minted, the next tick, in parent's children, the
- * node index and the D-leaf set; parent leaves that set; evictable tokens grow; a STORED event when events are on. */
 /* Node(id, parent, key, value, tick, priority, ns) without running its Python __init__: a fresh instance of the
  * class whose every slot is set as __init__ sets it. Learned once from a probe instance made by the class itself with
  * arguments no other slot could hold: a slot holding an argument takes that argument, `children` a new empty dict,
@@ -1465,7 +1465,10 @@ static void learn_node(NodeTemplate *tpl, PyTypeObject *tp) {
         if (named >= 0) {
             int a = node_arg_of[named];
             seen[named]++;
-            ok = a < 0 ? v != NULL && PyDict_CheckExact(v) && PyDict_GET_SIZE(v) == 0 : v == probe_args[a];
+            PyObject *w = *at(other, m->offset);
+            ok = a < 0 ? v != NULL && PyDict_CheckExact(v) && PyDict_GET_SIZE(v) == 0 && w != v && w != NULL &&
+                             PyDict_CheckExact(w)
+                       : v == probe_args[a] && w == other_args[a];
             t.arg[k] = a;
         } else {
             for (int a = 0; a < 7; a++)  /* None (the probe's parent) is a default too */
@@ -1510,6 +1513,8 @@ static PyObject *make_node(PyObject *cls, PyObject *const *args) {  /* Node(*arg
     return node;
 }
 
+/* A new leaf under parent (RadixTree.insert's tail, device only): id minted, the next tick, in parent's children, the
+ * node index and the D-leaf set; parent leaves that set; evictable tokens grow; a STORED event when events are on. */
 static PyObject *new_leaf(PyObject *tree, PyObject *parent, const char *kb, const char *vb, Py_ssize_t len,
                           Py_ssize_t pb, Py_ssize_t tick, PyObject *priority, int chunked, PyObject *ns,
                           PyObject *ctx) {
