@@ -168,6 +168,10 @@ def scenario_two_engines_share_pages_byte_for_byte(c: CacheClient) -> None:
     same_kv(a, b, prompt[:40])
     b.release(rb)
     assert b.cache.loaded_tokens == 40 and a.cache.stored_tokens == 40
+    from radixd.sglang import backend
+    if backend._copy_pages_native is not None:  # (built: the store's and the load-back's copies took it)
+        assert a.cache.native_copies >= 1 and b.cache.native_copies >= 1, (a.cache.native_copies,
+                                                                             b.cache.native_copies)
     hit, loaded = b.prefill(b.request("b2", prompt), 42, finish=True)  # now SGLang's own tree has it
     assert (hit, loaded) == (40, 0)
     settled(c, a, b)
@@ -233,20 +237,26 @@ def scenario_cpu_copies_go_by_whole_pages_only(c: CacheClient) -> None:
     assert _pages(np.array([3, 7, 1]), 1).tolist() == [3, 7, 1]
     e = Engine()
     held = np.asarray(c.alloc(2 * PAGE), dtype=np.int64)  # radixd slots of our own (whole pages, in order)
-    for dst in (held.tolist(), held[::-1].tolist()):  # whole pages, then the same slots backwards
-        for t in e.cache.rk + e.cache.rv:
-            t[dst] = 0
-        src = pages + 4
-        for layer in range(LAYERS):
-            e.kv.k_buffer[layer][src] = torch.arange(len(src), dtype=torch.float32)[:, None, None] + 7 * layer
-            e.kv.v_buffer[layer][src] = -torch.arange(len(src), dtype=torch.float32)[:, None, None] - 7 * layer
-        from radixd.sglang.backend import _CopyJob
-        job = _CopyJob(e.cache, torch.from_numpy(np.concatenate([np.arange(PAGE), src])))  # a page radixd had first
-        assert job(PAGE, np.array(dst)) and job.query()
-        assert not job(PAGE, np.array(dst))  # once only
-        for layer in range(LAYERS):
-            assert torch.equal(e.cache.rk[layer][dst], e.kv.k_buffer[layer][src]), (dst, layer)
-            assert torch.equal(e.cache.rv[layer][dst], e.kv.v_buffer[layer][src]), (dst, layer)
+    native = e.cache._native
+    for plans in ((native, None) if native is not None else (None,)):  # the native call, then numpy's
+        e.cache._native, before = plans, e.cache.native_copies
+        for dst in (held.tolist(), held[::-1].tolist()):  # whole pages, then the same slots backwards
+            for t in e.cache.rk + e.cache.rv:
+                t[dst] = 0
+            src = pages + 4
+            for layer in range(LAYERS):
+                e.kv.k_buffer[layer][src] = torch.arange(len(src), dtype=torch.float32)[:, None, None] + 7 * layer
+                e.kv.v_buffer[layer][src] = -torch.arange(len(src), dtype=torch.float32)[:, None, None] - 7 * layer
+            from radixd.sglang.backend import _CopyJob
+            job = _CopyJob(e.cache, torch.from_numpy(np.concatenate([np.arange(PAGE), src])))  # a page radixd had
+            assert job(PAGE, np.array(dst)) and job.query()
+            assert not job(PAGE, np.array(dst))  # once only
+            for layer in range(LAYERS):
+                assert torch.equal(e.cache.rk[layer][dst], e.kv.k_buffer[layer][src]), (dst, layer)
+                assert torch.equal(e.cache.rv[layer][dst], e.kv.v_buffer[layer][src]), (dst, layer)
+        # whole pages in order went by the native call when it is there (the backwards slots are not: per slot)
+        assert e.cache.native_copies - before == (1 if plans is not None else 0)
+    e.cache._native = native
     c.free(held)
     e.cache.shutdown()
 

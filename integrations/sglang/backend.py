@@ -68,6 +68,11 @@ from radixd.client.events import MEDIA, LocalIndex
 from radixd.client.pools import populate_in_background
 from radixd.server.config import DEFAULT_SOCKET
 
+try:  # (optional: the same copies by numpy without it)
+    from radixd.client._pagecopy import copy_pages as _copy_pages_native
+except ImportError:
+    _copy_pages_native = None
+
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
@@ -101,6 +106,16 @@ def _byte_rows(ours: list[torch.Tensor], theirs: list[torch.Tensor], page: int) 
                                            for x, y, s, d in zip(a, b, ours, theirs)):
         return None
     return a, b
+
+
+def _native_plans(ours: list[torch.Tensor], theirs: list[torch.Tensor], page: int) -> tuple[np.ndarray, np.ndarray]:
+    """`copy_pages`' plans for buffers `_byte_rows` accepted: (radixd's into SGLang's, SGLang's into radixd's); each
+    pair's page rows by address (the buffers must outlive the plans)."""
+    def entry(s: torch.Tensor, d: torch.Tensor) -> list[int]:
+        row = page * s[0].numel() * s.element_size()
+        return [s.data_ptr(), s.shape[0] // page, d.data_ptr(), d.shape[0] // page, row]
+    return (np.array([entry(t, o) for o, t in zip(ours, theirs)], dtype=np.int64).ravel(),
+            np.array([entry(o, t) for o, t in zip(ours, theirs)], dtype=np.int64).ravel())
 
 
 def _pages(slots: np.ndarray, page: int) -> Optional[np.ndarray]:
@@ -268,6 +283,10 @@ class RadixdRadixCache(RadixCache):
         # (torch's index ops per slot ran ~15 us each on a cold scheduler thread)
         self._rows = _byte_rows(self.k + self.v, self.rk + self.rv, self.page_size) \
             if not self.cuda and tp_size == 1 else None
+        # the same copies checked and done in one native call (numpy's twenty-odd calls cost more than the bytes)
+        self._native = _native_plans(self.k + self.v, self.rk + self.rv, self.page_size) \
+            if self._rows is not None and _copy_pages_native is not None else None
+        self.native_copies = 0  # copies done by the native call (tests)
         self._markers: dict[Any, _Marker] = {}
         self._stores: deque[_Store] = deque()
         self.loaded_tokens = 0  # tokens copied in from radixd (for tests and logs)
@@ -396,6 +415,7 @@ class RadixdRadixCache(RadixCache):
         if self.asynchronous:
             self.lookups.close()
             self.stores.close()
+        self._rows = self._native = None  # (views and addresses of the pools about to be unmapped)
         self.pools.close()
         self.client.close()
 
@@ -754,6 +774,11 @@ class RadixdRadixCache(RadixCache):
         copied) unless both are whole pages."""
         if self._rows is None:
             return False
+        if self._native is not None:  # (the store thread's copy lets the scheduler run meanwhile)
+            done = _copy_pages_native(self._native[out], np.asarray(src, dtype=np.int64),
+                                      np.asarray(dst, dtype=np.int64), self.page_size, nogil=out)
+            self.native_copies += done
+            return done
         a, b = _pages(src, self.page_size), _pages(dst, self.page_size)
         if a is None or b is None:
             return False

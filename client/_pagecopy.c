@@ -1,0 +1,133 @@
+/* Whole-page KV copies between an engine's CPU pool and radixd's mapped pool, in one call (optional: the engine
+ * backends fall back to numpy without it).
+ *
+ * An engine's scheduler thread runs each copy cache-cold: checking that the slots are whole pages in order and
+ * copying them took some twenty numpy calls, whose dispatch cost more than the bytes. Here the check and every
+ * buffer's page rows are one call.
+ *
+ * copy_pages(plan, src, dst, page, nogil=False) -> bool
+ *   plan: int64 buffer of (src_addr, src_pages, dst_addr, dst_pages, row_bytes) per buffer pair: a page row p
+ *         of a buffer is row_bytes bytes at addr + p * row_bytes (the caller keeps the buffers alive);
+ *   src, dst: int64 slot vectors of the same length, whole pages in order (page p's slots p*page ... p*page +
+ *         page - 1, the pages in any order);
+ *   returns False, having copied nothing, unless both are whole pages within every buffer; with nogil, the
+ *   bytes are copied with the GIL released (a background thread's copy). */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+static int int64_vector(PyObject *o, Py_buffer *b, const char *what) {
+    if (PyObject_GetBuffer(o, b, PyBUF_FORMAT | PyBUF_ND | PyBUF_C_CONTIGUOUS) < 0)
+        return -1;
+    const char *f = b->format ? b->format : "B";
+    if (*f == '<' || *f == '=' || *f == '@')
+        f++;
+    if (b->ndim != 1 || b->itemsize != 8 || (strcmp(f, "q") && strcmp(f, "l"))) {
+        PyErr_Format(PyExc_TypeError, "copy_pages: %s must be a 1-d native int64 vector (format '%s')", what,
+                     b->format ? b->format : "B");
+        PyBuffer_Release(b);
+        return -1;
+    }
+    return 0;
+}
+
+/* The page numbers of whole pages in order (into out), or -1 if the slots are not, or a page is not below limit. */
+static int whole_pages(const int64_t *s, Py_ssize_t n, int64_t page, int64_t limit, int64_t *out) {
+    for (Py_ssize_t i = 0; i < n; i += page) {
+        int64_t first = s[i];
+        if (first < 0 || first % page || first / page >= limit)
+            return -1;
+        for (int64_t j = 1; j < page; j++)
+            if (s[i + j] != first + j)
+                return -1;
+        out[i / page] = first / page;
+    }
+    return 0;
+}
+
+static PyObject *copy_pages(PyObject *self, PyObject *args, PyObject *kw) {
+    static char *names[] = {"plan", "src", "dst", "page", "nogil", NULL};
+    PyObject *plan_o, *src_o, *dst_o;
+    Py_ssize_t page;
+    int nogil = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOn|p:copy_pages", names, &plan_o, &src_o, &dst_o, &page, &nogil))
+        return NULL;
+    if (page < 1)
+        return PyErr_Format(PyExc_ValueError, "copy_pages: page must be >= 1, got %zd", page);
+    Py_buffer plan, src, dst;
+    if (int64_vector(plan_o, &plan, "plan") < 0)
+        return NULL;
+    if (int64_vector(src_o, &src, "src") < 0) {
+        PyBuffer_Release(&plan);
+        return NULL;
+    }
+    if (int64_vector(dst_o, &dst, "dst") < 0) {
+        PyBuffer_Release(&plan);
+        PyBuffer_Release(&src);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    int64_t *at = NULL;
+    const int64_t *p = plan.buf;
+    Py_ssize_t pairs = plan.shape[0] / 5, n = src.shape[0], pages = n / page;
+    if (plan.shape[0] % 5) {
+        PyErr_SetString(PyExc_ValueError, "copy_pages: plan holds 5 int64s per buffer pair");
+        goto done;
+    }
+    if (dst.shape[0] != n || n % page || pairs == 0) {
+        result = Py_False;
+        goto done;
+    }
+    int64_t src_limit = INT64_MAX, dst_limit = INT64_MAX;
+    for (Py_ssize_t k = 0; k < pairs; k++) {
+        const int64_t *e = p + 5 * k;
+        if (e[0] == 0 || e[2] == 0 || e[1] < 0 || e[3] < 0 || e[4] <= 0) {
+            PyErr_SetString(PyExc_ValueError, "copy_pages: a plan entry has a null address or a bad size");
+            goto done;
+        }
+        src_limit = e[1] < src_limit ? e[1] : src_limit;
+        dst_limit = e[3] < dst_limit ? e[3] : dst_limit;
+    }
+    at = PyMem_Malloc(sizeof(int64_t) * (2 * pages + 1));
+    if (at == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    int64_t *to = at + pages;
+    if (whole_pages(src.buf, n, page, src_limit, at) < 0 || whole_pages(dst.buf, n, page, dst_limit, to) < 0) {
+        result = Py_False;
+        goto done;
+    }
+    PyThreadState *released = nogil ? PyEval_SaveThread() : NULL;
+    for (Py_ssize_t k = 0; k < pairs; k++) {
+        const int64_t *e = p + 5 * k;
+        const char *s = (const char *)(uintptr_t)e[0];
+        char *d = (char *)(uintptr_t)e[2];
+        size_t row = (size_t)e[4];
+        for (Py_ssize_t i = 0; i < pages; i++)
+            memcpy(d + (size_t)to[i] * row, s + (size_t)at[i] * row, row);
+    }
+    if (released)
+        PyEval_RestoreThread(released);
+    result = Py_True;
+done:
+    PyMem_Free(at);
+    PyBuffer_Release(&plan);
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    Py_XINCREF(result);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"copy_pages", (PyCFunction)(void (*)(void))copy_pages, METH_VARARGS | METH_KEYWORDS,
+     "copy_pages(plan, src, dst, page, nogil=False) -> bool: every buffer pair's page rows at src's pages into "
+     "dst's (False, nothing copied, unless both are whole pages in order within every buffer)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_pagecopy",
+                                    "Whole-page KV copies in one call (see the C file's header).", -1, methods};
+
+PyMODINIT_FUNC PyInit__pagecopy(void) { return PyModule_Create(&module); }

@@ -1,0 +1,99 @@
+"""client/_pagecopy.c: an engine backend's whole-page KV copies (check and copy in one call) against numpy's."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pagecopy = pytest.importorskip("radixd.client._pagecopy", reason="client/_pagecopy.c was not built")
+copy_pages = pagecopy.copy_pages
+
+PAGE = 4
+
+
+def buffers(rng: np.random.Generator, slots: int, n: int = 3) -> list[np.ndarray]:
+    """n KV buffers (slots x heads x dim, float32), random bytes."""
+    return [rng.standard_normal((slots, 2, 3)).astype(np.float32) for _ in range(n)]
+
+
+def plan(src: list[np.ndarray], dst: list[np.ndarray]) -> np.ndarray:
+    row = PAGE * src[0][0].nbytes
+    return np.array([[s.ctypes.data, len(s) // PAGE, d.ctypes.data, len(d) // PAGE, row] for s, d in zip(src, dst)],
+                    dtype=np.int64).ravel()
+
+
+def slots_of(pages: np.ndarray) -> np.ndarray:
+    return (pages[:, None] * PAGE + np.arange(PAGE)).ravel().astype(np.int64)
+
+
+@pytest.mark.parametrize("nogil", [False, True])
+def test_copies_the_bytes_numpy_copies_and_nothing_else(nogil):
+    rng = np.random.default_rng(1)
+    src, dst = buffers(rng, 64 + 3), buffers(rng, 40 + 2)  # (a partial last page on each side)
+    for _ in range(20):
+        k = int(rng.integers(1, 10))
+        at = slots_of(rng.choice(len(src[0]) // PAGE, k, replace=False))
+        to = slots_of(rng.choice(len(dst[0]) // PAGE, k, replace=False))
+        want = [d.copy() for d in dst]
+        for s, w in zip(src, want):
+            w[to] = s[at]
+        assert copy_pages(plan(src, dst), at, to, PAGE, nogil=nogil) is True
+        for d, w in zip(dst, want):
+            assert d.tobytes() == w.tobytes()
+
+
+@pytest.mark.parametrize("at, to", [
+    ([4, 5, 6, 7], [9, 10, 11, 12]),  # not page-aligned
+    ([4, 5, 7, 6], [8, 9, 10, 11]),  # out of order inside a page
+    ([4, 5, 6], [8, 9, 10]),  # a partial page
+    ([4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15]),  # lengths differ
+    ([64, 65, 66, 67], [8, 9, 10, 11]),  # past the source's last whole page (slots 64-66 are a partial page)
+    ([4, 5, 6, 7], [40, 41, 42, 43]),  # past the destination's
+    ([-4, -3, -2, -1], [8, 9, 10, 11]),  # negative
+])
+def test_refuses_slots_that_are_not_whole_pages_within_the_buffers_and_writes_nothing(at, to):
+    rng = np.random.default_rng(2)
+    src, dst = buffers(rng, 64 + 3), buffers(rng, 40 + 2)
+    before = [d.tobytes() for d in dst]
+    assert copy_pages(plan(src, dst), np.array(at, dtype=np.int64), np.array(to, dtype=np.int64), PAGE) is False
+    assert [d.tobytes() for d in dst] == before
+
+
+def test_no_slots_is_a_copy_of_nothing():
+    rng = np.random.default_rng(5)
+    src, dst = buffers(rng, 16), buffers(rng, 16)
+    before = [d.tobytes() for d in dst]
+    assert copy_pages(plan(src, dst), np.zeros(0, np.int64), np.zeros(0, np.int64), PAGE) is True
+    assert [d.tobytes() for d in dst] == before
+
+
+def test_page_one_takes_any_slots():
+    rng = np.random.default_rng(3)
+    src, dst = buffers(rng, 10), buffers(rng, 10)
+    row = src[0][0].nbytes
+    p = np.array([[s.ctypes.data, len(s), d.ctypes.data, len(d), row] for s, d in zip(src, dst)], np.int64).ravel()
+    at, to = np.array([7, 3, 9], np.int64), np.array([0, 8, 2], np.int64)
+    want = [d.copy() for d in dst]
+    for s, w in zip(src, want):
+        w[to] = s[at]
+    assert copy_pages(p, at, to, 1)
+    assert all(d.tobytes() == w.tobytes() for d, w in zip(dst, want))
+
+
+def test_bad_arguments_raise_precisely():
+    rng = np.random.default_rng(4)
+    src, dst = buffers(rng, 16), buffers(rng, 16)
+    p, at = plan(src, dst), slots_of(np.array([1]))
+    with pytest.raises(TypeError, match="src must be a 1-d native int64 vector"):
+        copy_pages(p, at.astype(np.int32), at, PAGE)
+    with pytest.raises(TypeError, match="dst must be a 1-d native int64 vector"):
+        copy_pages(p, at, at.astype(">i8"), PAGE)
+    with pytest.raises(TypeError, match="plan must be"):
+        copy_pages(p.reshape(-1, 5), at, at, PAGE)
+    with pytest.raises(ValueError, match="5 int64s per buffer pair"):
+        copy_pages(p[:-1], at, at, PAGE)
+    with pytest.raises(ValueError, match="null address"):
+        copy_pages(np.zeros(5, np.int64), at, at, PAGE)
+    with pytest.raises(ValueError, match="page must be >= 1"):
+        copy_pages(p, at, at, 0)
+    with pytest.raises(TypeError):
+        copy_pages(p, [4, 5, 6, 7], at, PAGE)  # (a list has no buffer)
