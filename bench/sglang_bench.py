@@ -22,14 +22,19 @@ round, as they would during the next forward).
                                  [--repeats 3] [--forward-mb 64] [--decode-steps 1]
 
 Each batch size runs `--repeats` rounds, on new prompts each round, of two pairs: SGLang alone beside the miss run,
-then beside the hit run, the two runs of a pair stepped in turn so that the machine's drift hits both alike; a
-figure is the median over rounds, and the extra time the median of each pair's difference. The untimed forward streams `--forward-mb` through the
-CPU's caches, as a model's forward does (the scheduler's next calls run cache-cold, with or without the backend).
+then beside the hit run, the runs of a pair stepped in turn so that the machine's drift hits them alike; a
+figure is the median over rounds, and the extra time the median of each pair's difference. The hit's pair has a
+third run: SGLang alone with each step's prompts' whole pages in its own tree before they arrive (inserted untimed,
+then left cache-cold): SGLang's own hit, whose calls walk the same two-node paths a load-back leaves; the hit's
+time over it is what radixd adds to a hit SGLang would have served itself. The untimed forward streams
+`--forward-mb` through the CPU's caches, as a model's forward does (the scheduler's next calls run cache-cold, with or
+without the backend).
 
 Last line: RESULT sched_p50_us_<mode>_<batch>=... extra_p50_us_<mode>_<batch>=... (over SGLang's own cache)
 busy_extra_p50_us_<mode>_<batch>=... (less idle waits) busy_extra_less_copy_p50_us_<mode>_<batch>=... (less the
 load-backs' KV copy too: the bytes a hit moves, which a GPU engine queues on its stream)
-max_rpcs_per_step_<mode>_<batch>=...
+max_rpcs_per_step_<mode>_<batch>=... busy_over_own_hit_p50_us_<batch>=... busy_over_own_hit_less_copy_p50_us_<batch>=...
+(the hit over SGLang's own hit)
 """
 from __future__ import annotations
 
@@ -66,7 +71,7 @@ def engine_side(target: str, batch: int, prompts: int, length: int, page: int, r
     import numpy as np
     import torch
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
-    from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InitLoadBackParams, MatchPrefixParams
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InitLoadBackParams, InsertParams, MatchPrefixParams
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
     from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
@@ -115,7 +120,7 @@ def engine_side(target: str, batch: int, prompts: int, length: int, page: int, r
         def process_batch_result(self, results) -> None:
             results()
 
-    def run(backend: bool, tag: str) -> dict:
+    def run(backend: bool, tag: str, own_hit: bool = False) -> dict:
         cache, r2t, kv, alloc = build(backend)
         rows = list(range(1, live + 1))  # free req_to_token rows
         spent: dict[str, float] = {}
@@ -167,6 +172,12 @@ def engine_side(target: str, batch: int, prompts: int, length: int, page: int, r
             before = (getattr(cache, "rpcs", 0), *((cache.lookups.rpcs, cache.stores.rpcs) if backend else (0, 0)))
             if g < prompts:  # the step's new requests arrive
                 reqs = [Req(f"{tag}{g + i}", texts[g + i], Kv(rows.pop())) for i in range(min(batch, prompts - g))]
+                if own_hit:  # (untimed) SGLang alone with their prefixes in its own tree already, as a radixd hit
+                    for r in reqs:  # leaves them: its own hit, what the hit is measured against
+                        ids = r.full_untruncated_fill_ids
+                        m = (len(ids) - 1) // page * page
+                        cache.insert(InsertParams(key=RadixKey(ids[:m], None), value=alloc.alloc(m)))
+                    np.add(scratch, 1.0, out=scratch)  # (cold at admission, as the load-back's inserts are)
                 g += len(reqs)
                 t = time.perf_counter()
                 for r in reqs:
@@ -253,20 +264,25 @@ def engine_side(target: str, batch: int, prompts: int, length: int, page: int, r
     from sglang.srt.runtime_context import publish
     from sglang.srt.server_args import ServerArgs
     publish(ServerArgs(model_path="dummy", device="cpu", page_size=page), role="scheduler")
-    def paired(plain, backend) -> tuple[dict, dict]:
-        """Two runs step by step in turn (SGLang alone, then the backend), so that drift hits both alike."""
-        a = b = None
-        while a is None or b is None:
-            a, b = a or next(plain), b or next(backend)
-        return a, b
+    def paired(*runs) -> list[dict]:
+        """Runs step by step in turn (SGLang alone, then the backend), so that drift hits them alike."""
+        done = [None] * len(runs)
+        while any(d is None for d in done):
+            done = [d or next(r) for d, r in zip(done, runs)]
+        return done
 
-    rounds: dict[str, list] = {"plain_miss": [], "miss": [], "plain_hit": [], "hit": []}
+    rounds: dict[str, list] = {"plain_miss": [], "miss": [], "plain_hit": [], "hit": [], "own_hit": []}
     for k in range(repeats):
         rng = random.Random(5 + k)
         texts[:] = [array("q", [rng.randrange(1, 30000) for _ in range(length)]) for _ in range(prompts)]
         for mode, tag in (("miss", "a"), ("hit", "b")):  # miss: radixd has none of these prompts, every request
             # stores; hit: a fresh engine on the same prompts, every request loads
-            plain, ours = paired(run(False, f"p{k}{tag}-"), run(True, f"{tag}{k}-"))
+            if mode == "hit":
+                plain, own, ours = paired(run(False, f"p{k}{tag}-"), run(False, f"o{k}{tag}-", own_hit=True),
+                                          run(True, f"{tag}{k}-"))
+                rounds["own_hit"].append(own)
+            else:
+                plain, ours = paired(run(False, f"p{k}{tag}-"), run(True, f"{tag}{k}-"))
             rounds[f"plain_{mode}"].append(plain)
             rounds[mode].append(ours)
     return rounds
@@ -342,6 +358,15 @@ def main() -> None:
                   f"{', '.join(f'{e:.0f}' for e in busy_extras)}; busy less the load-backs' KV copy: "
                   f"{nocopy_extra:.0f}); per request, mean us: "
                   f"{phases(ms)}   (SGLang alone: {phases(plains)})")
+            if mode == "hit":  # against SGLang's own hit of the same prefixes: what radixd adds to a hit
+                owns = rounds["own_hit"]
+                over = [m["busy_p50_us"] - o["p50_us"] for m, o in zip(ms, owns)]
+                over_nocopy = statistics.median(m["nocopy_p50_us"] - o["p50_us"] for m, o in zip(ms, owns))
+                print(f"{'':11} SGLang's own hit p50 {statistics.median(x['p50_us'] for x in owns):.0f}; busy over "
+                      f"it per round: {', '.join(f'{e:.0f}' for e in over)} (less the load-backs' KV copy: "
+                      f"{over_nocopy:.0f}); SGLang's own hit, per request, mean us: {phases(owns)}")
+                results[f"busy_over_own_hit_p50_us_{batch}"] = statistics.median(over)
+                results[f"busy_over_own_hit_less_copy_p50_us_{batch}"] = over_nocopy
     print("RESULT " + " ".join(f"{k}={v:.3f}" for k, v in results.items()))
 
 
