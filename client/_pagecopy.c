@@ -1,5 +1,5 @@
 /* Whole-page KV copies between an engine's CPU pool and radixd's mapped pool, in one call (optional: the engine
- * backends fall back to numpy without it).
+ * integrations fall back to numpy without it).
  *
  * An engine's scheduler thread runs each copy cache-cold: checking that the slots are whole pages in order and
  * copying them took some twenty numpy calls, whose dispatch cost more than the bytes. Here the check and every
@@ -11,7 +11,16 @@
  *   src, dst: int64 slot vectors of the same length, whole pages in order (page p's slots p*page ... p*page +
  *         page - 1, the pages in any order);
  *   returns False, having copied nothing, unless both are whole pages within every buffer; with nogil, the
- *   bytes are copied with the GIL released (a background thread's copy). */
+ *   bytes are copied with the GIL released (a background thread's copy).
+ *
+ * copy_kv_blocks(spec, blocks, pages, load) -> bool
+ *   one layer's pages between a vLLM CPU block cache whose blocks are strided views of K and V (vLLM 0.32.0's
+ *   vec kernels, as integrations/vllm/layout.py probed them) and radixd's K and V buffers [slots, heads, dim];
+ *   spec: int64 buffer (kv_addr, num_blocks, k_addr, v_addr, radixd_pages, block_size, heads, head_dim,
+ *         elem_size, heads_out, k_cols, v_cols): a block is [heads][2][block_size * head_dim] (heads_out) or
+ *         [2][heads][...], each kind's chunk row-major [token][dim] or column-major [dim][token] (k_cols, v_cols);
+ *   blocks, pages: int64 vectors of the same length, vLLM block i <-> radixd page i; load: radixd -> vLLM;
+ *   returns False, having copied nothing, when an index is out of range. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
@@ -120,10 +129,104 @@ done:
     return result;
 }
 
+/* One kind's chunk of a block (elements of T) <-> its page's slots: row-major runs of d, or a d x b transpose. */
+#define CHUNK(T)                                                                                                     \
+    do {                                                                                                             \
+        T *c = (T *)chunk, *r = (T *)page;                                                                           \
+        if (!cols) {                                                                                                 \
+            for (int64_t t = 0; t < b; t++) {                                                                        \
+                T *run = r + (t * h + head) * d;                                                                     \
+                if (load)                                                                                            \
+                    memcpy(c + t * d, run, (size_t)d * sizeof(T));                                                   \
+                else                                                                                                 \
+                    memcpy(run, c + t * d, (size_t)d * sizeof(T));                                                   \
+            }                                                                                                        \
+        } else if (load) {                                                                                           \
+            for (int64_t j = 0; j < d; j++)                                                                          \
+                for (int64_t t = 0; t < b; t++)                                                                      \
+                    c[j * b + t] = r[(t * h + head) * d + j];                                                        \
+        } else {                                                                                                     \
+            for (int64_t j = 0; j < d; j++)                                                                          \
+                for (int64_t t = 0; t < b; t++)                                                                      \
+                    r[(t * h + head) * d + j] = c[j * b + t];                                                        \
+        }                                                                                                            \
+    } while (0)
+
+static PyObject *copy_kv_blocks(PyObject *self, PyObject *args, PyObject *kw) {
+    static char *names[] = {"spec", "blocks", "pages", "load", NULL};
+    PyObject *spec_o, *blocks_o, *pages_o;
+    int load;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOp:copy_kv_blocks", names, &spec_o, &blocks_o, &pages_o, &load))
+        return NULL;
+    Py_buffer spec, blk, pg;
+    if (int64_vector(spec_o, &spec, "spec") < 0)
+        return NULL;
+    if (int64_vector(blocks_o, &blk, "blocks") < 0) {
+        PyBuffer_Release(&spec);
+        return NULL;
+    }
+    if (int64_vector(pages_o, &pg, "pages") < 0) {
+        PyBuffer_Release(&spec);
+        PyBuffer_Release(&blk);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    const int64_t *sp = spec.buf, *bi = blk.buf, *pi = pg.buf;
+    Py_ssize_t n = blk.shape[0];
+    if (spec.shape[0] != 12) {
+        PyErr_SetString(PyExc_ValueError, "copy_kv_blocks: spec holds 12 int64s");
+        goto done;
+    }
+    char *kv = (char *)(uintptr_t)sp[0], *kb = (char *)(uintptr_t)sp[2], *vb = (char *)(uintptr_t)sp[3];
+    int64_t nblocks = sp[1], npages = sp[4], b = sp[5], h = sp[6], d = sp[7], es = sp[8];
+    int heads_out = sp[9] != 0, k_cols = sp[10] != 0, v_cols = sp[11] != 0;
+    if (!kv || !kb || !vb || b <= 0 || h <= 0 || d <= 0 || (es != 1 && es != 2 && es != 4 && es != 8)) {
+        PyErr_SetString(PyExc_ValueError, "copy_kv_blocks: a null address or a bad geometry in spec");
+        goto done;
+    }
+    if (pg.shape[0] != n) {
+        result = Py_False;
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (bi[i] < 0 || bi[i] >= nblocks || pi[i] < 0 || pi[i] >= npages) {
+            result = Py_False;
+            goto done;
+        }
+    size_t chunk_bytes = (size_t)(b * d * es), block_bytes = 2 * (size_t)h * chunk_bytes;
+    size_t page_bytes = (size_t)(b * h * d * es);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        char *block = kv + (size_t)bi[i] * block_bytes;
+        for (int kind = 0; kind < 2; kind++) {
+            char *page = (kind ? vb : kb) + (size_t)pi[i] * page_bytes;
+            int cols = kind ? v_cols : k_cols;
+            for (int64_t head = 0; head < h; head++) {
+                char *chunk = block + (size_t)(heads_out ? head * 2 + kind : kind * h + head) * chunk_bytes;
+                switch (es) {
+                case 1: CHUNK(uint8_t); break;
+                case 2: CHUNK(uint16_t); break;
+                case 4: CHUNK(uint32_t); break;
+                default: CHUNK(uint64_t); break;
+                }
+            }
+        }
+    }
+    result = Py_True;
+done:
+    PyBuffer_Release(&spec);
+    PyBuffer_Release(&blk);
+    PyBuffer_Release(&pg);
+    Py_XINCREF(result);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"copy_pages", (PyCFunction)(void (*)(void))copy_pages, METH_VARARGS | METH_KEYWORDS,
      "copy_pages(plan, src, dst, page, nogil=False) -> bool: every buffer pair's page rows at src's pages into "
      "dst's (False, nothing copied, unless both are whole pages in order within every buffer)."},
+    {"copy_kv_blocks", (PyCFunction)(void (*)(void))copy_kv_blocks, METH_VARARGS | METH_KEYWORDS,
+     "copy_kv_blocks(spec, blocks, pages, load) -> bool: one layer's vLLM CPU blocks <-> radixd pages (False, "
+     "nothing copied, when an index is out of range)."},
     {NULL, NULL, 0, NULL},
 };
 

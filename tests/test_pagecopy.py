@@ -97,3 +97,87 @@ def test_bad_arguments_raise_precisely():
         copy_pages(p, at, at, 0)
     with pytest.raises(TypeError):
         copy_pages(p, [4, 5, 6, 7], at, PAGE)  # (a list has no buffer)
+
+
+# ------------------------------------------------ vLLM's CPU blocks <-> radixd's pages (integrations/vllm/layout.py)
+def _strided_geometry(nb: int, b: int, h: int, d: int, dtype, heads_out: bool, k_cols: bool, v_cols: bool):
+    """A probed CPU geometry whose blocks are the strided form given by the three flags (as `_strided` reads it)."""
+    import torch
+
+    from radixd.vllm.layout import Geometry
+    ids = torch.arange(2 * b * h * d, dtype=torch.int64).view(2, b, h, d)
+    chunk = {(kind, head): ids[kind, :, head].t() if (k_cols, v_cols)[kind] else ids[kind, :, head]
+             for kind in (0, 1) for head in range(h)}
+    order = [(kind, head) for head in range(h) for kind in (0, 1)] if heads_out else \
+        [(kind, head) for kind in (0, 1) for head in range(h)]
+    source = torch.cat([chunk[o].reshape(-1) for o in order])
+    return Geometry("cpu", nb, b, h, d, dtype, source, torch.ones(2 * b * h * d, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "uint8", "float64"])
+@pytest.mark.parametrize("heads_out, k_cols, v_cols", [(a, b, c) for a in (True, False) for b in (False, True)
+                                                       for c in (False, True)])
+def test_vllm_block_copies_write_the_bytes_numpys_views_write(dtype, heads_out, k_cols, v_cols):
+    """copy_kv_blocks against the layer's numpy views (`CpuViews` without its spec) for every strided block form
+    and element width: saves into radixd's pages and loads back into blocks, byte for byte, nothing else touched."""
+    import dataclasses
+
+    import torch
+
+    from radixd.vllm import layout
+    dt = getattr(torch, dtype)
+    nb, b, h, d = 7, 4, 3, 5
+    g = _strided_geometry(nb, b, h, d, dt, heads_out, k_cols, v_cols)
+    assert layout._strided(g) == (heads_out, k_cols, v_cols)
+    gen = torch.Generator().manual_seed(7)
+
+    def rand(*shape):
+        return torch.randint(0, 255, shape, generator=gen, dtype=torch.uint8).view(-1).view(dt).view(*shape) \
+            if dt.itemsize == 1 else torch.randint(-1000, 1000, shape, generator=gen).to(dt)
+    kv = rand(nb, h, b, 2 * d)
+    slots = 6 * b
+    k, v = rand(slots, h, d), rand(slots, h, d)
+    views = layout.cpu_views(kv, g, k, v)
+    assert views is not None and views.spec is not None
+    plain = dataclasses.replace(views, spec=None)
+    blocks, pages = np.array([5, 0, 3], np.int64), np.array([2, 5, 0], np.int64)
+    ref_k, ref_v, ref_kv = k.clone(), v.clone(), kv.clone()
+    plain.save(blocks, pages)  # numpy's result, then restore and do it natively
+    want_k, want_v = k.clone(), v.clone()
+    k.copy_(ref_k)
+    v.copy_(ref_v)
+    assert pagecopy.copy_kv_blocks(views.spec, blocks, pages, False)
+    assert torch.equal(k.view(torch.uint8), want_k.view(torch.uint8))
+    assert torch.equal(v.view(torch.uint8), want_v.view(torch.uint8))
+    k2, v2 = rand(slots, h, d), rand(slots, h, d)  # new pages, loaded into the blocks both ways
+    k.copy_(k2)
+    v.copy_(v2)
+    plain.load(blocks, pages)
+    want_kv = kv.clone()
+    kv.copy_(ref_kv)
+    assert pagecopy.copy_kv_blocks(views.spec, blocks, pages, True)
+    assert torch.equal(kv.view(torch.uint8), want_kv.view(torch.uint8))
+    assert not torch.equal(kv.view(torch.uint8), ref_kv.view(torch.uint8))  # (the load did write)
+
+
+def test_vllm_block_copies_refuse_indices_out_of_range_and_bad_specs():
+    import torch
+
+    from radixd.vllm import layout
+    nb, b, h, d = 4, 4, 2, 3
+    g = _strided_geometry(nb, b, h, d, torch.float32, True, True, False)
+    kv, k, v = torch.randn(nb, h, b, 2 * d), torch.randn(3 * b, h, d), torch.randn(3 * b, h, d)
+    spec = layout.cpu_views(kv, g, k, v).spec
+    before = (kv.clone(), k.clone())
+    for blocks, pages in (([4], [0]), ([0], [3]), ([-1], [0]), ([0, 1], [0])):
+        assert pagecopy.copy_kv_blocks(spec, np.array(blocks, np.int64), np.array(pages, np.int64), False) is False
+        assert pagecopy.copy_kv_blocks(spec, np.array(blocks, np.int64), np.array(pages, np.int64), True) is False
+    assert torch.equal(kv, before[0]) and torch.equal(k, before[1])
+    with pytest.raises(ValueError, match="12 int64s"):
+        pagecopy.copy_kv_blocks(spec[:-1], np.zeros(1, np.int64), np.zeros(1, np.int64), False)
+    bad = spec.copy()
+    bad[8] = 3  # an element of 3 bytes
+    with pytest.raises(ValueError, match="bad geometry"):
+        pagecopy.copy_kv_blocks(bad, np.zeros(1, np.int64), np.zeros(1, np.int64), False)
+    with pytest.raises(TypeError, match="blocks must be"):
+        pagecopy.copy_kv_blocks(spec, np.zeros(1, np.int32), np.zeros(1, np.int64), False)

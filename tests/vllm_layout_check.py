@@ -3,7 +3,8 @@ tests/test_vllm_connector.py): for every kernel this CPU can run and every dtype
 reshape_and_cache writes random K and V into blocks, the connector's probe learns the layout from the
 kernel, and save_blocks must give back exactly the K and V the kernel was handed (load_blocks the reverse,
 byte for byte into the kernel's layout), both through strided views of the block (aligned radixd pages, a kernel
-whose block is one: vLLM's vec kernels) and through the general gather (pages off alignment). Prints one line per
+whose block is one: vLLM's vec kernels; by client/_pagecopy.c's copy where built, and by numpy's) and through the
+general gather (pages off alignment). Prints one line per
 kernel and dtype, then `ok layouts N` (11; 9 on a CPU without AMX, which says so).
 """
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 from vllm import _custom_ops as ops
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
+from radixd.vllm import layout
 from radixd.vllm.layout import _strided, geometry, load_blocks, probe_cpu_layout, save_blocks
 
 BLOCK, HEADS, NB = 32, 2, 5
@@ -34,18 +36,22 @@ def check(isa: str, dtype: torch.dtype, head_dim: int) -> str:
     slots = (blocks.view(-1, 1) * BLOCK + torch.arange(BLOCK)).view(-1)
     kc, vc = kv.view(NB, HEADS, 2 * BLOCK, head_dim).chunk(2, dim=2)
     write(key, value, kc, vc, slots)  # the engine's forward writes its K and V
-    for off in (0, 1):  # aligned pages (strided views where the block is one), then off alignment (the gather)
-        size = 4 * BLOCK + off
+    native = layout._copy_kv_blocks
+    for off, by in ((0, native), (0, None), (1, native)):  # aligned pages (strided views where the block is one:
+        layout._copy_kv_blocks = by  # client/_pagecopy.c's copy where built, then numpy's), then off alignment
+        size = 4 * BLOCK + off  # (the gather)
         k, v = torch.zeros(size, HEADS, head_dim, dtype=dtype), torch.zeros(size, HEADS, head_dim, dtype=dtype)
         pages = torch.tensor([BLOCK, 3 * BLOCK, 0]) + off
         save_blocks(kv, g, blocks, k, v, pages)
         for i, p in enumerate(pages.tolist()):
-            assert torch.equal(k[p:p + BLOCK], key[i * BLOCK:(i + 1) * BLOCK]), (isa, dtype, off, "K")
-            assert torch.equal(v[p:p + BLOCK], value[i * BLOCK:(i + 1) * BLOCK]), (isa, dtype, off, "V")
+            assert torch.equal(k[p:p + BLOCK], key[i * BLOCK:(i + 1) * BLOCK]), (isa, dtype, off, by, "K")
+            assert torch.equal(v[p:p + BLOCK], value[i * BLOCK:(i + 1) * BLOCK]), (isa, dtype, off, by, "V")
         again = torch.zeros_like(kv)
         load_blocks(again, g, blocks, k, v, pages)
-        assert torch.equal(again[blocks], kv[blocks]), (isa, dtype, off, "load")
-    return "exact" + (" (strided)" if _strided(g) is not None else "")
+        assert torch.equal(again[blocks], kv[blocks]), (isa, dtype, off, by, "load")
+    layout._copy_kv_blocks = native
+    return "exact" + (" (strided" + (", native" if native is not None else "") + ")" if _strided(g) is not None
+                      else "")
 
 
 def main() -> None:

@@ -976,7 +976,7 @@ class _Worker:
             self._poll(wait_for=set(self._waiting))
         if self._pool is not None:
             self._pool.shutdown(wait=True)
-        self.plan, self.states = [], []
+        self.plan, self.states, self.views = [], [], []  # (views and addresses of the pools about to be unmapped)
         if self.pools is not None:
             self.pools.close()
             self.pools = None

@@ -11,8 +11,8 @@ consecutive slots, K after RoPE, exactly as the model computed it. vLLM's block 
          permutation of K and V (quantized, padded in ways that lose elements) is refused at start.
   flash  [2, num_blocks, block_size, kv_heads, head_dim] (FlashAttention on GPU; index 0 is K).
 A page moves in one gather or scatter per layer; values are copied exactly. A CPU block that is a strided view of
-K and V (the vec kernels') is copied through numpy views of it (`CpuViews`), without the general per-element
-gather.
+K and V (the vec kernels') is copied through numpy views of it (`CpuViews`), or client/_pagecopy.c's
+copy_kv_blocks where it is built, without the general per-element gather.
 """
 from __future__ import annotations
 
@@ -22,6 +22,11 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
+
+try:  # (optional: numpy's fancy indexing without it)
+    from radixd.client._pagecopy import copy_kv_blocks as _copy_kv_blocks
+except ImportError:
+    _copy_kv_blocks = None
 
 
 @dataclass(frozen=True)
@@ -139,18 +144,25 @@ class CpuViews:
     """One layer's copies as numpy fancy indexing between views: vLLM's whole cache as K and V [blocks, block_size,
     kv_heads, head_dim] (strided views into its blocks) and radixd's buffers as [pages, block_size, kv_heads,
     head_dim]. numpy moves these shapes 3.5x faster than torch's index_copy_ (bf16, 32-token blocks, 2 heads of
-    64 bytes: torch's strided copy kernel pays per element run), and the views are built once per layer."""
+    64 bytes: torch's strided copy kernel pays per element run), and the views are built once per layer. With
+    client/_pagecopy.c built, the same copies go through it (`spec`), a block at a time with no temporary: numpy
+    gathers into one and scatters it again."""
 
     block_k: np.ndarray
     block_v: np.ndarray
     page_k: np.ndarray
     page_v: np.ndarray
+    spec: Optional[np.ndarray] = None  # copy_kv_blocks' description of the layer (addresses: the buffers outlive it)
 
     def save(self, blocks: np.ndarray, pages: np.ndarray) -> None:
-        self.page_k[pages] = self.block_k[blocks]
+        if self.spec is not None and _copy_kv_blocks(self.spec, blocks, pages, False):
+            return
+        self.page_k[pages] = self.block_k[blocks]  # (an index out of range raises here)
         self.page_v[pages] = self.block_v[blocks]
 
     def load(self, blocks: np.ndarray, pages: np.ndarray) -> None:
+        if self.spec is not None and _copy_kv_blocks(self.spec, blocks, pages, True):
+            return
         self.block_k[blocks] = self.page_k[pages]
         self.block_v[blocks] = self.page_v[pages]
 
@@ -172,7 +184,10 @@ def cpu_views(kv: torch.Tensor, g: Geometry, k: torch.Tensor, v: torch.Tensor) -
         part = x[:, :, kind]  # [n, h, b * d]: its last axis is contiguous, so the reshapes below are views
         kinds.append(part.reshape(n, h, d, b).transpose(0, 3, 1, 2) if cols else
                      part.reshape(n, h, b, d).transpose(0, 2, 1, 3))
-    views = CpuViews(kinds[0], kinds[1], _np(k).reshape(-1, b, h, d), _np(v).reshape(-1, b, h, d))
+    spec = None if _copy_kv_blocks is None else np.array(
+        [kv.data_ptr(), n, k.data_ptr(), v.data_ptr(), min(k.shape[0], v.shape[0]) // b, b, h, d, kv.element_size(),
+         heads_out, k_cols, v_cols], dtype=np.int64)
+    views = CpuViews(kinds[0], kinds[1], _np(k).reshape(-1, b, h, d), _np(v).reshape(-1, b, h, d), spec)
     if not all(np.shares_memory(a, base) for a, base in ((views.block_k, rows), (views.block_v, rows))):
         return None  # (never expected: a reshape that had to copy would write nowhere)
     return views
