@@ -13,14 +13,14 @@
  *   returns False, having copied nothing, unless both are whole pages within every buffer; with nogil, the
  *   bytes are copied with the GIL released (a background thread's copy).
  *
- * copy_kv_blocks(spec, blocks, pages, load) -> bool
+ * copy_kv_blocks(spec, blocks, pages, load, nogil=False) -> bool
  *   one layer's pages between a vLLM CPU block cache whose blocks are strided views of K and V (vLLM 0.32.0's
  *   vec kernels, as integrations/vllm/layout.py probed them) and radixd's K and V buffers [slots, heads, dim];
  *   spec: int64 buffer (kv_addr, num_blocks, k_addr, v_addr, radixd_pages, block_size, heads, head_dim,
  *         elem_size, heads_out, k_cols, v_cols): a block is [heads][2][block_size * head_dim] (heads_out) or
  *         [2][heads][...], each kind's chunk row-major [token][dim] or column-major [dim][token] (k_cols, v_cols);
  *   blocks, pages: int64 vectors of the same length, vLLM block i <-> radixd page i; load: radixd -> vLLM;
- *   returns False, having copied nothing, when an index is out of range. */
+ *   returns False, having copied nothing, when an index is out of range; nogil as for copy_pages. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
@@ -153,10 +153,11 @@ done:
     } while (0)
 
 static PyObject *copy_kv_blocks(PyObject *self, PyObject *args, PyObject *kw) {
-    static char *names[] = {"spec", "blocks", "pages", "load", NULL};
+    static char *names[] = {"spec", "blocks", "pages", "load", "nogil", NULL};
     PyObject *spec_o, *blocks_o, *pages_o;
-    int load;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOp:copy_kv_blocks", names, &spec_o, &blocks_o, &pages_o, &load))
+    int load, nogil = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOp|p:copy_kv_blocks", names, &spec_o, &blocks_o, &pages_o, &load,
+                                     &nogil))
         return NULL;
     Py_buffer spec, blk, pg;
     if (int64_vector(spec_o, &spec, "spec") < 0)
@@ -195,6 +196,7 @@ static PyObject *copy_kv_blocks(PyObject *self, PyObject *args, PyObject *kw) {
         }
     size_t chunk_bytes = (size_t)(b * d * es), block_bytes = 2 * (size_t)h * chunk_bytes;
     size_t page_bytes = (size_t)(b * h * d * es);
+    PyThreadState *released = nogil ? PyEval_SaveThread() : NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
         char *block = kv + (size_t)bi[i] * block_bytes;
         for (int kind = 0; kind < 2; kind++) {
@@ -211,6 +213,8 @@ static PyObject *copy_kv_blocks(PyObject *self, PyObject *args, PyObject *kw) {
             }
         }
     }
+    if (released)
+        PyEval_RestoreThread(released);
     result = Py_True;
 done:
     PyBuffer_Release(&spec);
@@ -225,7 +229,7 @@ static PyMethodDef methods[] = {
      "copy_pages(plan, src, dst, page, nogil=False) -> bool: every buffer pair's page rows at src's pages into "
      "dst's (False, nothing copied, unless both are whole pages in order within every buffer)."},
     {"copy_kv_blocks", (PyCFunction)(void (*)(void))copy_kv_blocks, METH_VARARGS | METH_KEYWORDS,
-     "copy_kv_blocks(spec, blocks, pages, load) -> bool: one layer's vLLM CPU blocks <-> radixd pages (False, "
+     "copy_kv_blocks(spec, blocks, pages, load, nogil=False) -> bool: one layer's vLLM CPU blocks <-> radixd pages (False, "
      "nothing copied, when an index is out of range)."},
     {NULL, NULL, 0, NULL},
 };

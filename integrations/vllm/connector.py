@@ -48,7 +48,7 @@ Configure with `kv_connector_extra_config`: `radixd_target` (default `$RADIXD_TA
 socket), `radixd_token`, `load_back` (default true), `lookup_deadline_ms` (default 200),
 `slot_stock_tokens` (the most slots held ready for stores, default 8192), `local_index` (default true),
 `async_save` (default false; on this project's 2-core CPU bench/vllm_bench.py reads no clear gain from it: a miss
-at 1024 tokens 1.00-1.05x the engine without a connector with it, 1.02-1.03x without, in one window).
+at 1024 tokens 1.03-1.07x the engine without a connector with it, 1.02-1.07x without, alternated in one window).
 """
 from __future__ import annotations
 
@@ -874,14 +874,18 @@ class _Worker:
                 out[(g, swa)] = _Pairs(b, p, self.layers[0].device, self.geo.block_size)
         return out
 
-    def _each_layer(self, pairs: dict, load: bool) -> None:
-        """Copy every layer's pages: through the layer's numpy views where it has them, else by torch's gather."""
+    def _each_layer(self, pairs: dict, load: bool, nogil: bool = False) -> None:
+        """Copy every layer's pages: through the layer's numpy views where it has them, else by torch's gather
+        (nogil: a store on the copy thread, which lets the engine's thread run meanwhile)."""
         for (kv, g, k, v, swa), views in zip(self.plan, self.views):
             pr = pairs.get((g, swa))
             if pr is None:
                 continue
             if views is not None and pr.pages is not None:
-                (views.load if load else views.save)(pr.blocks_np, pr.pages)
+                if load:
+                    views.load(pr.blocks_np, pr.pages)
+                else:
+                    views.save(pr.blocks_np, pr.pages, nogil)
             else:
                 blocks, starts = pr.tensors
                 (load_blocks if load else save_blocks)(kv, self.geo, blocks, k, v, starts)
@@ -899,7 +903,7 @@ class _Worker:
         have landed (the side stream on GPU, the copy thread on CPU), so the step's outputs do not wait for them."""
         def run() -> None:
             for _, _, groups, pages, twins, state in meta.stores:
-                self._each_layer(self._pairs(groups, pages, twins), load=False)
+                self._each_layer(self._pairs(groups, pages, twins), load=False, nogil=self.conn.async_save)
                 self._copy_states(groups, state, load=False)
         if not meta.stores:
             return
