@@ -94,11 +94,12 @@ class Engine:
         if not attached(self.cache, req.best_match_node):  # the backend refuses before anything
             return 0
         device = req.prefix_len
-        self.cache.inc_lock_ref(req.best_match_node)  # the backend's steps: pin the prefix, evict if short,
-        if self.alloc.available_size() < hit:  # take slots or give up
+        slots = self.alloc.alloc(hit)  # the backend's steps: take slots; if short, pin the prefix, evict, take
+        if slots is None:  # them again or give up
+            self.cache.inc_lock_ref(req.best_match_node)
             self.cache.evict(EvictParams(num_tokens=hit))
-        slots = self.alloc.alloc(hit)
-        self.cache.dec_lock_ref(req.best_match_node)
+            self.cache.dec_lock_ref(req.best_match_node)
+            slots = self.alloc.alloc(hit)
         if slots is None or not loaded:
             assert not loaded, "the plain engine could not mirror a load-back the backend made"
             if slots is not None:

@@ -27,8 +27,8 @@ engine on the node shares (one radixd session per engine: a dead engine loses it
                    over;
   end_step         (wrapped around the scheduler's `process_batch_result`) the step's stores go to radixd in one
                    round: one CacheFinished for all of them. SGLang has no tick for a backend, so the rest
-                   progresses in match_prefix, checkpoint, evict, end_step and check_hicache_events (and `settle`
-                   finishes everything);
+                   progresses in end_step (without the hooks: in match_prefix and checkpoint), evict and
+                   check_hicache_events (and `settle` finishes everything);
   on_release / release_aborted_request / reset  release every radixd lock the request (or cache) held.
 No radixd call blocks the scheduler thread except a bounded wait for a lookup when the engine has nothing else
 to run (or, without the hooks, in match_prefix), and an Alloc when the slot stock runs short. With radixd
@@ -305,6 +305,7 @@ class RadixdRadixCache(RadixCache):
         self._after_copy: deque[tuple[Any, int]] = deque()  # (event, receipt): unlocked once the copy read the pages
         self._plans: list[_Plan] = []
         self._sid = 0
+        self.stepped = False  # hook_scheduler: every step ends in end_step, which drains (match and checkpoint need not)
         if self.asynchronous:
             self.stores = Stores(self.client, self.page_size, slot_stock_tokens, capacity=info["capacity_tokens"],
                                  prime=slot_stock_tokens // 4)
@@ -516,7 +517,8 @@ class RadixdRadixCache(RadixCache):
         req = params.req
         if self.disable or req is None or not len(params.key):
             return base
-        self._drain()
+        if not self.stepped:
+            self._drain()
         handle = req.cache_request_handle
         self._drop_marker(handle)  # asked again: the newer answer wins
         missed = self._missed.get(handle)
@@ -601,13 +603,14 @@ class RadixdRadixCache(RadixCache):
             n = params.host_hit_length
             if n <= 0 or marker.device_len + n > len(marker.path) or not attached(self, last):
                 return 0, last  # (a node evicted since the match: its prefix is gone, so is the hit)
-            self.inc_lock_ref(last)  # making room must not evict the prefix the pages continue
-            try:
-                if self.token_to_kv_pool_allocator.available_size() < n:
+            slots = self.token_to_kv_pool_allocator.alloc(n)  # (None, taking nothing, when short)
+            if slots is None:
+                self.inc_lock_ref(last)  # making room must not evict the prefix the pages continue
+                try:
                     self.evict(EvictParams(num_tokens=n))
+                finally:
+                    self.dec_lock_ref(last)
                 slots = self.token_to_kv_pool_allocator.alloc(n)
-            finally:
-                self.dec_lock_ref(last)
             if slots is None:
                 return 0, last
             at = marker.path[marker.device_len:marker.device_len + n]
@@ -683,13 +686,15 @@ class RadixdRadixCache(RadixCache):
         """SGLang's own checkpoint; a finished request's new whole pages also go to radixd."""
         super().checkpoint(req, up_to=up_to)
         if self.disable or not req.finished():
-            self._drain()
+            if not self.stepped:
+                self._drain()
             return
         node = req.last_node
         indices = self.path_device_indices(node).to(torch.int64)
         n = len(indices) - len(indices) % self.page_size
         if n == 0:
-            self._drain()
+            if not self.stepped:
+                self._drain()
             return
         ns = dict(extra_key=req.extra_key or "", cache_salt=req.cache_salt or "")
         if self.asynchronous:
@@ -740,7 +745,8 @@ class RadixdRadixCache(RadixCache):
             tokens = _ids(raw)
             self.lookups.submit(key, tokens, ns, load_back=False)
             self._plans.append(_Plan(self._sid, node, src, tokens, ns, time.monotonic(), job))
-        self._drain()
+        if not self.stepped:
+            self._drain()
 
     def _hand_over(self, key: Any, tokens: Any, prefix: np.ndarray, receipt: int, ns: dict, job: _CopyJob, node: Any,
                    lookup: Optional[np.ndarray] = None) -> None:
@@ -886,7 +892,7 @@ def hook_scheduler(scheduler: Any, cache: RadixdRadixCache) -> None:
     scheduler.process_batch_result = process_batch_result
     if prefill is not None:
         scheduler.get_new_batch_prefill = get_new_batch_prefill
-    cache.stores.stepped = True
+    cache.stores.stepped = cache.stepped = True
 
 
 def _building_scheduler() -> Any:
