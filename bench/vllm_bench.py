@@ -36,6 +36,9 @@ publishes a state (radixd's checkpoint interval).
 
 Last line: RESULT ttft_x_<len>=<C/B> ... miss_overhead_<len>=<A/C> ... sched_p50_us_<miss|hit>_<batch>=...
 max_rpcs_per_step_<miss|hit>_<batch>=...
+
+--calibrate runs A without the connector too (and no B): its A/C (RESULT aa_<len>) is what two identical engines
+read in one run, so the spread of aa over runs is the bench's resolution for miss_overhead on the machine.
 """
 from __future__ import annotations
 
@@ -186,6 +189,9 @@ def main() -> None:
                                                   "'{\"local_index\": false}' or '{\"async_save\": true}'")
     ap.add_argument("--events", default="on", choices=["on", "off"],
                     help="radixd's --kv-events: on, the connector answers misses from its local index (no RPC)")
+    ap.add_argument("--calibrate", action="store_true",
+                    help="engine A without the connector too (no B): A/C is then what two identical engines read, "
+                         "the resolution of miss_overhead on this machine (RESULT aa_<len>)")
     args = ap.parse_args()
     py = _python()
     print("CPU layout:", _layout(args.cpus))
@@ -212,9 +218,11 @@ def _ttft(py: str, model: str, args, hybrid: bool, block: int, extra: tuple) -> 
     srv = _server(args.cpus, "--num-slots", str(max(65536, 2 * sum(map(len, prompts)))), "--page-size", str(block),
                      "--model-config", os.path.join(model, "config.json"), *extra)
     everything = [warm] + prompts
-    engines = {w: _Served(py, model, everything, "" if w == "C" else srv.target, max_len, hybrid,
+    plain = "CA" if args.calibrate else "C"  # (--calibrate: A has no connector either, and there is no B)
+    engines = {w: _Served(py, model, everything, "" if w in plain else srv.target, max_len, hybrid,
                           *(["--await-index"] if w == "B" and args.events == "on" else []),
-                          *(["--extra", args.extra] if w != "C" else [])) for w in "CAB"}
+                          *(["--extra", args.extra] if w not in plain else []))
+               for w in ("CA" if args.calibrate else "CAB")}
     times: dict[str, list[float]] = {w: [] for w in "CAB"}
     cached: list[int] = []
     try:
@@ -230,7 +238,7 @@ def _ttft(py: str, model: str, args, hybrid: bool, block: int, extra: tuple) -> 
                             want = got["tokens"]
                 else:  # one more call: with async_save a store is reported (then published) at the next step
                     engines["A"].run(0)
-                if i:  # B trails by a prompt, so that A's stores of it have landed
+                if i and not args.calibrate:  # B trails by a prompt, so that A's stores of it have landed
                     _await_stored(probe, everything[i - 1], block, hybrid)
                     got = engines["B"].run(i - 1)
                     assert got["tokens"] == prev, "a hit changed the output"
@@ -242,6 +250,16 @@ def _ttft(py: str, model: str, args, hybrid: bool, block: int, extra: tuple) -> 
             e.close()
         srv.stop()
     results: dict[str, float] = {}
+    if args.calibrate:
+        print(f"{'prompt':>7} {'C no conn ms':>13} {'A no conn ms':>13} {'A/C':>6}   (medians of {args.repeat} "
+              "prompts, of times and of per-prompt ratios)")
+        for i, n in enumerate(lengths):
+            sl = slice(1 + i * per + 1, 1 + (i + 1) * per)
+            tc, ta = times["C"][sl], times["A"][sl]
+            results[f"aa_{n}"] = statistics.median(a / c for a, c in zip(ta, tc))
+            print(f"{n:7d} {statistics.median(tc) * 1e3:13.1f} {statistics.median(ta) * 1e3:13.1f} "
+                  f"{results[f'aa_{n}']:6.3f}")
+        return results
     print(f"{'prompt':>7} {'C no conn ms':>13} {'A miss ms':>10} {'B hit ms':>9} {'B cached':>9} "
           f"{'TTFT C/B':>9} {'miss A/C':>9}   (medians of {args.repeat} prompts, of times and of per-prompt ratios)")
     for i, n in enumerate(lengths):
