@@ -41,6 +41,22 @@ static int int64_vector(PyObject *o, Py_buffer *b, const char *what) {
     return 0;
 }
 
+/* Three int64 vectors, held all or none. */
+static int int64_vectors(PyObject *const objs[3], const char *const what[3], Py_buffer views[3]) {
+    for (int i = 0; i < 3; i++)
+        if (int64_vector(objs[i], &views[i], what[i]) < 0) {
+            while (i--)
+                PyBuffer_Release(&views[i]);
+            return -1;
+        }
+    return 0;
+}
+
+static void release3(Py_buffer views[3]) {
+    for (int i = 0; i < 3; i++)
+        PyBuffer_Release(&views[i]);
+}
+
 /* The page numbers of whole pages in order (into out), or -1 if the slots are not, or a page is not below limit. */
 static int whole_pages(const int64_t *s, Py_ssize_t n, int64_t page, int64_t limit, int64_t *out) {
     for (Py_ssize_t i = 0; i < n; i += page) {
@@ -64,27 +80,19 @@ static PyObject *copy_pages(PyObject *self, PyObject *args, PyObject *kw) {
         return NULL;
     if (page < 1)
         return PyErr_Format(PyExc_ValueError, "copy_pages: page must be >= 1, got %zd", page);
-    Py_buffer plan, src, dst;
-    if (int64_vector(plan_o, &plan, "plan") < 0)
+    Py_buffer v[3];
+    if (int64_vectors((PyObject *const[]){plan_o, src_o, dst_o}, (const char *const[]){"plan", "src", "dst"}, v) < 0)
         return NULL;
-    if (int64_vector(src_o, &src, "src") < 0) {
-        PyBuffer_Release(&plan);
-        return NULL;
-    }
-    if (int64_vector(dst_o, &dst, "dst") < 0) {
-        PyBuffer_Release(&plan);
-        PyBuffer_Release(&src);
-        return NULL;
-    }
+    Py_buffer *plan = &v[0], *src = &v[1], *dst = &v[2];
     PyObject *result = NULL;
     int64_t *at = NULL;
-    const int64_t *p = plan.buf;
-    Py_ssize_t pairs = plan.shape[0] / 5, n = src.shape[0], pages = n / page;
-    if (plan.shape[0] % 5) {
+    const int64_t *p = plan->buf;
+    Py_ssize_t pairs = plan->shape[0] / 5, n = src->shape[0], pages = n / page;
+    if (plan->shape[0] % 5) {
         PyErr_SetString(PyExc_ValueError, "copy_pages: plan holds 5 int64s per buffer pair");
         goto done;
     }
-    if (dst.shape[0] != n || n % page || pairs == 0) {
+    if (dst->shape[0] != n || n % page || pairs == 0) {
         result = Py_False;
         goto done;
     }
@@ -104,7 +112,7 @@ static PyObject *copy_pages(PyObject *self, PyObject *args, PyObject *kw) {
         goto done;
     }
     int64_t *to = at + pages;
-    if (whole_pages(src.buf, n, page, src_limit, at) < 0 || whole_pages(dst.buf, n, page, dst_limit, to) < 0) {
+    if (whole_pages(src->buf, n, page, src_limit, at) < 0 || whole_pages(dst->buf, n, page, dst_limit, to) < 0) {
         result = Py_False;
         goto done;
     }
@@ -122,9 +130,7 @@ static PyObject *copy_pages(PyObject *self, PyObject *args, PyObject *kw) {
     result = Py_True;
 done:
     PyMem_Free(at);
-    PyBuffer_Release(&plan);
-    PyBuffer_Release(&src);
-    PyBuffer_Release(&dst);
+    release3(v);
     Py_XINCREF(result);
     return result;
 }
@@ -159,22 +165,15 @@ static PyObject *copy_kv_blocks(PyObject *self, PyObject *args, PyObject *kw) {
     if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOp|p:copy_kv_blocks", names, &spec_o, &blocks_o, &pages_o, &load,
                                      &nogil))
         return NULL;
-    Py_buffer spec, blk, pg;
-    if (int64_vector(spec_o, &spec, "spec") < 0)
+    Py_buffer v[3];
+    if (int64_vectors((PyObject *const[]){spec_o, blocks_o, pages_o}, (const char *const[]){"spec", "blocks", "pages"},
+                      v) < 0)
         return NULL;
-    if (int64_vector(blocks_o, &blk, "blocks") < 0) {
-        PyBuffer_Release(&spec);
-        return NULL;
-    }
-    if (int64_vector(pages_o, &pg, "pages") < 0) {
-        PyBuffer_Release(&spec);
-        PyBuffer_Release(&blk);
-        return NULL;
-    }
+    Py_buffer *spec = &v[0], *blk = &v[1], *pg = &v[2];
     PyObject *result = NULL;
-    const int64_t *sp = spec.buf, *bi = blk.buf, *pi = pg.buf;
-    Py_ssize_t n = blk.shape[0];
-    if (spec.shape[0] != 12) {
+    const int64_t *sp = spec->buf, *bi = blk->buf, *pi = pg->buf;
+    Py_ssize_t n = blk->shape[0];
+    if (spec->shape[0] != 12) {
         PyErr_SetString(PyExc_ValueError, "copy_kv_blocks: spec holds 12 int64s");
         goto done;
     }
@@ -185,7 +184,7 @@ static PyObject *copy_kv_blocks(PyObject *self, PyObject *args, PyObject *kw) {
         PyErr_SetString(PyExc_ValueError, "copy_kv_blocks: a null address or a bad geometry in spec");
         goto done;
     }
-    if (pg.shape[0] != n) {
+    if (pg->shape[0] != n) {
         result = Py_False;
         goto done;
     }
@@ -217,9 +216,7 @@ static PyObject *copy_kv_blocks(PyObject *self, PyObject *args, PyObject *kw) {
         PyEval_RestoreThread(released);
     result = Py_True;
 done:
-    PyBuffer_Release(&spec);
-    PyBuffer_Release(&blk);
-    PyBuffer_Release(&pg);
+    release3(v);
     Py_XINCREF(result);
     return result;
 }
