@@ -183,3 +183,47 @@ def test_vllm_block_copies_refuse_indices_out_of_range_and_bad_specs():
         pagecopy.copy_kv_blocks(bad, np.zeros(1, np.int64), np.zeros(1, np.int64), False)
     with pytest.raises(TypeError, match="blocks must be"):
         pagecopy.copy_kv_blocks(spec, np.zeros(1, np.int32), np.zeros(1, np.int64), False)
+
+
+def test_background_copies_write_what_the_call_writes_and_report_when_over():
+    """copy_kv_blocks_in_background: several layers' saves on a native thread give the bytes copy_kv_blocks gives;
+    query() turns true once they are over and synchronize() waits for them (a CUDA event's calls); an index out of
+    range starts nothing (None); a bad spec raises."""
+    import torch
+
+    from radixd.vllm import layout
+    nb, b, h, d = 9, 4, 2, 8
+    gen = torch.Generator().manual_seed(3)
+    layers = []
+    for cols in (True, False):
+        g = _strided_geometry(nb, b, h, d, torch.float32, True, cols, False)
+        kv, k, v = (torch.randn(nb, h, b, 2 * d, generator=gen), torch.zeros(7 * b, h, d), torch.zeros(7 * b, h, d))
+        layers.append((layout.cpu_views(kv, g, k, v), kv, k, v))
+    blocks, pages = np.array([8, 2, 5, 0], np.int64), np.array([6, 0, 3, 1], np.int64)
+    want = []
+    for views, kv, k, v in layers:
+        assert pagecopy.copy_kv_blocks(views.spec, blocks, pages, False)
+        want.append((k.clone(), v.clone()))
+        k.zero_()
+        v.zero_()
+    jobs = [(views.spec, blocks.copy(), pages.copy()) for views, _, _, _ in layers]
+    task = layout.save_in_background(jobs)
+    del jobs  # (the task keeps its own copy of the indices)
+    assert task.synchronize() is None and task.query() is True
+    for (_, _, k, v), (wk, wv) in zip(layers, want):
+        assert torch.equal(k, wk) and torch.equal(v, wv)
+    for _, _, k, v in layers:
+        k.zero_()
+        v.zero_()
+    views = layers[0][0]
+    bad = [(views.spec, np.array([0], np.int64), np.array([0], np.int64)),
+           (views.spec, np.array([nb], np.int64), np.array([0], np.int64))]  # the second layer's block is past the end
+    assert pagecopy.copy_kv_blocks_in_background(bad) is None
+    assert not layers[0][2].any()  # nothing started, not even the first layer's
+    with pytest.raises(ValueError, match="12 int64s"):
+        pagecopy.copy_kv_blocks_in_background([(views.spec[:5], blocks, pages)])
+    with pytest.raises(TypeError):
+        pagecopy.copy_kv_blocks_in_background([(views.spec, blocks)])
+    idle = pagecopy.copy_kv_blocks_in_background([])
+    idle.synchronize()
+    assert idle.query() is True

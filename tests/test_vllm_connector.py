@@ -166,8 +166,9 @@ def test_a_miss_makes_no_round_trip_when_radixd_publishes_events(model_dir, refe
 
 @needs_vllm
 def test_asynchronous_saves_store_the_true_bytes_on_the_real_engine(model_dir, reference):
-    """async_save on: engine A's stores land after its step (on a copy thread) and are published once they have
-    (its next generate call's first step learns of them); engine B then loads the pages from radixd and generates
+    """async_save on: engine A's stores land after its step (on a native thread, or the copy thread without
+    client/_pagecopy.c) and are published once they have (its next generate call's first step learns of them);
+    radixd's pages then hold the model's true K and V (transformers' forward); engine B loads them and generates
     what an engine without a connector does. Nothing is left locked or held."""
     srv = _server(model_dir)
     extra = ["--extra", json.dumps({"async_save": True})]
@@ -177,6 +178,8 @@ def test_asynchronous_saves_store_the_true_bytes_on_the_real_engine(model_dir, r
             a = _engine(model_dir, [P, other], srv.target, extra=extra)
             assert a[0]["tokens"] == reference[2]["tokens"] and a[0]["cached"] == 0
             assert _settled(c)["cached_tokens"] >= 192
+            res = _true_kv(model_dir, srv.target)
+            assert res["ok"] and res["tokens"] == 192, res
             b = _engine(model_dir, [P + SUFFIX], srv.target, extra=extra)
             assert b[0]["cached"] == 192 and b[0]["tokens"] == reference[0]["tokens"]  # A's bytes, loaded
             _settled(c)

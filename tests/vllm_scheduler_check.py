@@ -5,7 +5,8 @@
 Drives `_Scheduler` as vLLM's scheduler does (arrival, asks, finish) and checks: an idle engine waits for a
 lookup and gets radixd's hit; a busy engine is answered None at once while radixd is stopped (SIGSTOP), a miss
 once the deadline passed, and the lock the late lookup took is released when it lands; stores come from the
-slot stock with no call on the scheduler thread; closing leaves no lock and no held slot. Prints "ok".
+slot stock with no call on the scheduler thread, and keep vLLM stepping until the workers report them; closing
+leaves no lock and no held slot. Prints "ok".
 """
 from __future__ import annotations
 
@@ -80,6 +81,24 @@ def main() -> None:
             os.kill(pid, signal.SIGCONT)
         _until(lambda: sched.lookups.idle() and sched.background.idle(), "the late lookup never landed")
         _until(lambda: c.stats()["receipts"] == 1, "the late lookup's lock was kept")  # a's alone
+
+        # a step that computes b's 3 whole pages plans their store (slots from the stock): until the workers report
+        # it, the connector has work pending, and vLLM keeps stepping for it (has_pending_push_work)
+        from radixd.vllm.connector import RadixdConnector
+        step = SimpleNamespace(preempted_req_ids=None, num_scheduled_tokens={"b": len(b)},
+                               scheduled_new_reqs=[SimpleNamespace(req_id="b", block_ids=([7, 8, 9, 10],),
+                                                                   num_computed_tokens=0)],
+                               scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(),
+                                                                     num_computed_tokens=[]))
+        meta = sched.build(step)
+        assert len(meta.stores) == 1 and meta.stores[0][2] == [[7, 8, 9]], meta.stores
+        owner = SimpleNamespace(_sched=sched)
+        assert RadixdConnector.has_pending_push_work(owner)
+        sched.stored({meta.stores[0][0]})  # the workers copied it: published by the store thread
+        assert not RadixdConnector.has_pending_push_work(owner)
+        assert not RadixdConnector.has_pending_push_work(SimpleNamespace(_sched=None))  # (a worker's connector)
+        _until(lambda: c.match_prefix(np.asarray(b[:3 * PAGE], np.int32)).matched_len == 3 * PAGE,
+               "b's store was never published")
 
         sched.finished("a")
         sched.finished("b")

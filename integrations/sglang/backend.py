@@ -305,7 +305,7 @@ class RadixdRadixCache(RadixCache):
         self._after_copy: deque[tuple[Any, int]] = deque()  # (event, receipt): unlocked once the copy read the pages
         self._plans: list[_Plan] = []
         self._sid = 0
-        self.stepped = False  # hook_scheduler: every step ends in end_step, which drains (match and checkpoint need not)
+        self.stepped = False  # hooked: each step ends in end_step, which drains (match and checkpoint need not)
         if self.asynchronous:
             self.stores = Stores(self.client, self.page_size, slot_stock_tokens, capacity=info["capacity_tokens"],
                                  prime=slot_stock_tokens // 4)

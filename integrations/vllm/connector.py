@@ -21,13 +21,13 @@ No radixd call blocks vLLM's scheduler thread in the steady state:
   request_finished            the store thread releases the request's lock after its last publish.
 Worker side: maps radixd's device pool, checks the geometry, and copies whole pages, converting layouts exactly:
 loads in `start_load_kv` before the forward and stores in `wait_for_save` after it (on a side stream on GPU),
-both waited for. With `async_save` the stores are launched there and not waited for (their own stream on GPU, a
-copy thread on CPU): a store is reported (then published) once it has landed, `request_finished` keeps a
-finished request's blocks until its copies have landed (`get_finished`), and `handle_preemptions` waits for a
-preempted request's copies before its blocks go to others. The engine learns of landed copies at its next step:
-an offline `LLM.generate` leaves its last step's stores to the next call, and stores still out when the engine
-shuts down are dropped. Hybrid models always copy synchronously (vLLM lets sliding-window and state blocks go
-while a request runs).
+both waited for. With `async_save` the stores are launched there and not waited for (their own stream on GPU; on
+CPU a native thread that never takes the GIL, else a copy thread): a store is reported (then published) once it
+has landed, `request_finished` keeps a finished request's blocks until its copies have landed (`get_finished`), and
+`handle_preemptions` waits for a preempted request's copies before its blocks go to others. The engine learns of
+landed copies at its next step: an offline `LLM.generate` leaves its last step's stores to the next call, and
+stores still out when the engine shuts down are dropped. Hybrid models always copy synchronously (vLLM lets
+sliding-window and state blocks go while a request runs).
 Hybrid models (sliding window): `RadixdHybridConnector` is the same connector with vLLM's `SupportsHMA`, so
 vLLM keeps its hybrid KV cache manager (a block table per KV cache group, null blocks outside a window) and
 radixd, started with `--hybrid-cache --model-config` of the same model, holds the full-attention layers in its
@@ -47,8 +47,9 @@ be in it yet: a lost hit, never a wrong load, as a hit is always looked up and l
 Configure with `kv_connector_extra_config`: `radixd_target` (default `$RADIXD_TARGET` or the default
 socket), `radixd_token`, `load_back` (default true), `lookup_deadline_ms` (default 200),
 `slot_stock_tokens` (the most slots held ready for stores, default 8192), `local_index` (default true),
-`async_save` (default false; on this project's 2-core CPU bench/vllm_bench.py reads no clear gain from it: a miss
-at 1024 tokens 1.03-1.07x the engine without a connector with it, 1.02-1.07x without, alternated in one window).
+`async_save` (default false, see RadixdConnector.__init__; on this project's 2-core CPU bench/vllm_bench.py reads a
+miss at 1024 tokens 1.02-1.05x the engine without a connector with it, median 1.03, and 1.04-1.07x without, median
+1.06, in five alternated pairs).
 """
 from __future__ import annotations
 
@@ -76,7 +77,8 @@ from radixd.client.events import MEDIA, LocalIndex
 from radixd.client.pools import populate_in_background
 from radixd.server.config import DEFAULT_SOCKET
 
-from .layout import CpuViews, Geometry, aligned_pages, cpu_views, geometry, load_blocks, probe_cpu_layout, save_blocks
+from .layout import (CpuViews, Geometry, aligned_pages, cpu_views, geometry, load_blocks, probe_cpu_layout, save_blocks,
+                     save_in_background)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -169,9 +171,11 @@ class RadixdConnector(KVConnectorBase_V1):
         self.slot_stock = int(extra.get("slot_stock_tokens", 8192))  # most slots held ready for stores
         self.local_index = str(extra.get("local_index", "true")).lower() not in ("0", "false", "no")
         self.hma = isinstance(self, SupportsHMA)
-        # stores copied after wait_for_save returns (a finished request's blocks wait for them); off by default: on
-        # CPU the copy thread competes with the forward for the cores and the GIL (measured slower), on GPU it is
-        # unmeasured yet. A hybrid model's sliding-window and state blocks go while the request runs: never there
+        # stores copied after wait_for_save returns (a finished request's blocks wait for them); off by default: an
+        # offline LLM.generate leaves its last step's stores to its next call (an online engine keeps stepping until
+        # they land: has_pending_push_work), and on GPU it is unmeasured yet. On CPU its native copy thread takes a
+        # miss's TTFT at 1k tokens from 1.06x to 1.03x no connector (bench/vllm_bench.py, alternated). A hybrid
+        # model's sliding-window and state blocks go while the request runs: never there
         self.async_save = not self.hma and str(extra.get("async_save", "false")).lower() in ("1", "true", "yes")
         self.block_size = vllm_config.cache_config.block_size
         self.cache_dtype = vllm_config.cache_config.cache_dtype
@@ -216,6 +220,11 @@ class RadixdConnector(KVConnectorBase_V1):
         if isinstance(meta, RadixdWorkerMetadata):
             self._sched.stored(meta.stored, meta.failed)
         self._sched.meter.charge_step(t)
+
+    def has_pending_push_work(self) -> bool:
+        """Stores planned whose copies the workers have not reported yet: vLLM keeps stepping until they are (as it
+        does for its own offloading connector), so an engine that goes idle still publishes its last stores."""
+        return self._sched is not None and bool(self._sched.stores)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         t = time.perf_counter()
@@ -704,7 +713,8 @@ class _Worker:
         self.geo: Optional[Geometry] = None
         self.done: set[int] = set()
         self.failed: set[int] = set()  # stores whose copy raised (reported, so their slots go back)
-        self._saves: list[tuple[list[int], set[str], Any]] = []  # (stores, requests, Future or CUDA event) in flight
+        self._saves: list[tuple[list[int], set[str], Any]] = []  # (stores, requests, copy handle) in flight: a Future,
+        # a CUDA event or a native task (the last two polled alike)
         self._waiting: dict[str, int] = {}  # request -> its copies in flight
         self._saved: set[str] = set()  # requests with a copy launched here that have not finished
         self._finishing: set[str] = set()  # finished requests whose blocks wait for their copies
@@ -900,7 +910,8 @@ class _Worker:
 
     def save(self, meta: RadixdConnectorMetadata) -> None:
         """Copy this step's stores into radixd: at once (hybrid models), or launched here and reported when they
-        have landed (the side stream on GPU, the copy thread on CPU), so the step's outputs do not wait for them."""
+        have landed (the side stream on GPU, a native thread or the copy thread on CPU), so the step's outputs do not
+        wait for them."""
         def run() -> None:
             for _, _, groups, pages, twins, state in meta.stores:
                 self._each_layer(self._pairs(groups, pages, twins), load=False, nogil=self.conn.async_save)
@@ -913,7 +924,7 @@ class _Worker:
             self.done.update(sids)
             return
         if self.save_stream is None:
-            handle: Any = self._pool.submit(run)
+            handle: Any = self._native_save(meta) or self._pool.submit(run)
         else:
             self.save_stream.wait_stream(torch.cuda.current_stream())  # after the forward's writes
             with torch.cuda.stream(self.save_stream):
@@ -924,6 +935,24 @@ class _Worker:
         for r in rids:
             self._waiting[r] = self._waiting.get(r, 0) + 1
         self._saved |= rids
+
+    def _native_save(self, meta: RadixdConnectorMetadata) -> Any:
+        """CPU: the step's stores started on a native thread that never takes the GIL (the copy thread's Python would
+        contend with the engine's for it), when every layer copies through its views and there are no state layers;
+        else None."""
+        if self.states or not self.views or any(v is None or v.spec is None for v in self.views):
+            return None
+        jobs = []
+        for _, _, groups, pages, twins, _ in meta.stores:
+            pairs = self._pairs(groups, pages, twins)
+            for (_, g, _, _, swa), views in zip(self.plan, self.views):
+                pr = pairs.get((g, swa))
+                if pr is None:
+                    continue
+                if views is None or views.spec is None or pr.pages is None:
+                    return None
+                jobs.append((views.spec, pr.blocks_np, pr.pages))
+        return save_in_background(jobs)
 
     def _poll(self, wait_for: set[str] = frozenset()) -> None:
         """Collect the copies that have landed, waiting for those of the requests in `wait_for` (in launch order:

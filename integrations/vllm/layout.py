@@ -18,15 +18,16 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
 
 try:  # (optional: numpy's fancy indexing without it)
     from radixd.client._pagecopy import copy_kv_blocks as _copy_kv_blocks
+    from radixd.client._pagecopy import copy_kv_blocks_in_background as _copy_in_background
 except ImportError:
-    _copy_kv_blocks = None
+    _copy_kv_blocks = _copy_in_background = None
 
 
 @dataclass(frozen=True)
@@ -192,6 +193,13 @@ def cpu_views(kv: torch.Tensor, g: Geometry, k: torch.Tensor, v: torch.Tensor) -
     if not all(np.shares_memory(a, base) for a, base in ((views.block_k, rows), (views.block_v, rows))):
         return None  # (never expected: a reshape that had to copy would write nowhere)
     return views
+
+
+def save_in_background(jobs: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> Any:
+    """Layers' saves, (a `CpuViews.spec`, vLLM blocks, radixd pages) each, on a native thread that never takes the
+    GIL: a handle with query() and synchronize(), as a CUDA event's; None where client/_pagecopy.c is not built or
+    an index is out of range (nothing started)."""
+    return None if _copy_in_background is None else _copy_in_background(jobs)
 
 
 def aligned_pages(page_starts: Sequence[int], block_size: int) -> Optional[np.ndarray]:
