@@ -144,6 +144,10 @@ def main() -> None:
     if args.stats:
         from radixd.vllm.connector import scheduler_stats
         connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
+        sched, deadline = connector._sched, time.monotonic() + 10
+        while time.monotonic() < deadline and not (sched.background.idle() and
+                                                   (sched.index is None or sched.index.current())):
+            time.sleep(0.005)  # the last step's publishes land on the store thread, then their events in the index
         json.dump(scheduler_stats(connector), open(args.stats, "w"))
     llm.llm_engine.engine_core.shutdown()  # the connector publishes what is still in flight before it goes
     json.dump(out, open(args.out, "w"))
