@@ -49,7 +49,7 @@ socket), `radixd_token`, `load_back` (default true), `lookup_deadline_ms` (defau
 `slot_stock_tokens` (the most slots held ready for stores, default 8192), `local_index` (default true),
 `async_save` (default false, see RadixdConnector.__init__; on this project's 2-core CPU bench/vllm_bench.py reads a
 miss at 1024 tokens 1.02-1.05x the engine without a connector with it, median 1.03, and 1.04-1.07x without, median
-1.06, in five alternated pairs).
+1.05, in eight alternated pairs).
 """
 from __future__ import annotations
 
@@ -174,7 +174,7 @@ class RadixdConnector(KVConnectorBase_V1):
         # stores copied after wait_for_save returns (a finished request's blocks wait for them); off by default: an
         # offline LLM.generate leaves its last step's stores to its next call (an online engine keeps stepping until
         # they land: has_pending_push_work), and on GPU it is unmeasured yet. On CPU its native copy thread takes a
-        # miss's TTFT at 1k tokens from 1.06x to 1.03x no connector (bench/vllm_bench.py, alternated). A hybrid
+        # miss's TTFT at 1k tokens from 1.05x to 1.03x no connector (bench/vllm_bench.py, alternated). A hybrid
         # model's sliding-window and state blocks go while the request runs: never there
         self.async_save = not self.hma and str(extra.get("async_save", "false")).lower() in ("1", "true", "yes")
         self.block_size = vllm_config.cache_config.block_size
