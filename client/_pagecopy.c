@@ -20,7 +20,9 @@
  *         elem_size, heads_out, k_cols, v_cols): a block is [heads][2][block_size * head_dim] (heads_out) or
  *         [2][heads][...], each kind's chunk row-major [token][dim] or column-major [dim][token] (k_cols, v_cols);
  *   blocks, pages: int64 vectors of the same length, vLLM block i <-> radixd page i; load: radixd -> vLLM;
- *   returns False, having copied nothing, when an index is out of range; nogil as for copy_pages. */
+ *   returns False, having copied nothing, when an index is out of range; nogil as for copy_pages.
+ *
+ * CopyQueue(): copy_kv_blocks jobs run in order on a native thread that never takes the GIL (see below). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
@@ -235,165 +237,259 @@ static PyObject *copy_kv_blocks(PyObject *self, PyObject *args, PyObject *kw) {
     return result;
 }
 
-/* ------------------------------------------------------------------------------------------------ in background
- * copy_kv_blocks_in_background(jobs, load=False) -> CopyTask or None
- *   jobs: (spec, blocks, pages) per layer, as for copy_kv_blocks; their contents are copied, and every layer's copy
- *   runs on a thread of its own that never takes the GIL, so the engine's thread goes on at once (an asynchronous
- *   store on CPU, as a side stream on GPU); the task's query() says whether it is over and synchronize() waits for
- *   it (a CUDA event's two calls). None, with nothing started, when an index is out of range. The caller keeps the
- *   buffers the specs name alive until the task is over. */
 typedef struct {
     int64_t spec[12];
     Py_ssize_t n;
     int64_t *blocks, *pages;
 } Job;
 
+/* ------------------------------------------------------------------------------------------------ a copy queue
+ * CopyQueue(): one native thread that never takes the GIL, running copy_kv_blocks jobs in the order they came.
+ *   submit(spec, blocks, pages, load=False, unit=1) -> int or None: the job queued (its contents copied), its ticket
+ *       (1, 2, ...); blocks and pages are int64 vectors or lists of ints, pages given as page number * unit (a page's
+ *       first slot, with unit the page size); None, nothing queued, when an index is out of range or a page is not
+ *       a multiple of unit;
+ *   completed() -> int: the tickets done so far (every ticket up to it: one thread, in order);
+ *   wait(ticket): until that ticket is done (the GIL released);
+ *   close(): the queued jobs finished, the thread joined (also on deallocation).
+ * A layer's store can start as soon as the forward has written the layer (vLLM's save_kv_layer) and run beside the
+ * next layers' forward, off the engine's thread. The caller keeps the buffers the specs name alive until their
+ * tickets are done. */
+typedef struct QJob {
+    Job job;
+    int load;
+    struct QJob *next;
+} QJob;
+
 typedef struct {
     PyObject_HEAD
     pthread_t thread;
-    int started, joined, load;
-    int njobs;
-    Job *jobs;
-    atomic_int done;
-} CopyTask;
+    pthread_mutex_t mu;
+    pthread_cond_t work, done;
+    QJob *head, *tail;
+    int64_t submitted;
+    _Atomic int64_t completed;
+    int stop, started, joined;
+} CopyQueue;
 
-static void *copy_task_run(void *arg) {
-    CopyTask *t = arg;
-    for (int j = 0; j < t->njobs; j++)
-        kv_copy(t->jobs[j].spec, t->jobs[j].blocks, t->jobs[j].pages, t->jobs[j].n, t->load);
-    atomic_store(&t->done, 1);
+static void *copy_queue_run(void *arg) {
+    CopyQueue *q = arg;
+    pthread_mutex_lock(&q->mu);
+    for (;;) {
+        while (!q->head && !q->stop)
+            pthread_cond_wait(&q->work, &q->mu);
+        QJob *j = q->head;
+        if (!j)
+            break;  /* stopping, and nothing left */
+        pthread_mutex_unlock(&q->mu);
+        kv_copy(j->job.spec, j->job.blocks, j->job.pages, j->job.n, j->load);
+        pthread_mutex_lock(&q->mu);
+        q->head = j->next;
+        if (!q->head)
+            q->tail = NULL;
+        atomic_fetch_add(&q->completed, 1);
+        pthread_cond_broadcast(&q->done);
+        PyMem_RawFree(j);
+    }
+    pthread_mutex_unlock(&q->mu);
     return NULL;
 }
 
-static void copy_task_join(CopyTask *t) {
-    if (t->started && !t->joined) {
+static void copy_queue_stop(CopyQueue *q) {
+    if (q->started && !q->joined) {
+        pthread_mutex_lock(&q->mu);
+        q->stop = 1;
+        pthread_cond_signal(&q->work);
+        pthread_mutex_unlock(&q->mu);
         Py_BEGIN_ALLOW_THREADS
-        pthread_join(t->thread, NULL);
+        pthread_join(q->thread, NULL);
         Py_END_ALLOW_THREADS
-        t->joined = 1;
+        q->joined = 1;
     }
 }
 
-static void copy_task_dealloc(CopyTask *t) {
-    copy_task_join(t);
-    if (t->jobs) {
-        for (int j = 0; j < t->njobs; j++)
-            PyMem_RawFree(t->jobs[j].blocks);
-        PyMem_RawFree(t->jobs);
-    }
-    Py_TYPE(t)->tp_free((PyObject *)t);
-}
-
-static PyObject *copy_task_query(CopyTask *t, PyObject *unused) {
-    return PyBool_FromLong(atomic_load(&t->done));
-}
-
-static PyObject *copy_task_synchronize(CopyTask *t, PyObject *unused) {
-    copy_task_join(t);
-    Py_RETURN_NONE;
-}
-
-static PyMethodDef copy_task_methods[] = {
-    {"query", (PyCFunction)copy_task_query, METH_NOARGS, "Whether the copy is over."},
-    {"synchronize", (PyCFunction)copy_task_synchronize, METH_NOARGS, "Wait for the copy (the GIL released)."},
-    {NULL, NULL, 0, NULL},
-};
-
-static PyTypeObject CopyTaskType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "radixd.client._pagecopy.CopyTask",
-    .tp_basicsize = sizeof(CopyTask),
-    .tp_dealloc = (destructor)copy_task_dealloc,
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "A background copy of KV blocks (copy_kv_blocks_in_background).",
-    .tp_methods = copy_task_methods,
-};
-
-static PyObject *copy_kv_blocks_in_background(PyObject *self, PyObject *args, PyObject *kw) {
-    static char *names[] = {"jobs", "load", NULL};
-    PyObject *jobs_o;
-    int load = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|p:copy_kv_blocks_in_background", names, &jobs_o, &load))
+static PyObject *copy_queue_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    if (!_PyArg_NoKeywords("CopyQueue", kw) || !PyArg_ParseTuple(args, ":CopyQueue"))
         return NULL;
-    PyObject *seq = PySequence_Fast(jobs_o, "copy_kv_blocks_in_background: jobs must be a sequence");
-    if (seq == NULL)
+    CopyQueue *q = (CopyQueue *)type->tp_alloc(type, 0);
+    if (q == NULL)
         return NULL;
-    Py_ssize_t njobs = PySequence_Fast_GET_SIZE(seq);
-    if (njobs > INT_MAX) {
-        Py_DECREF(seq);
-        return PyErr_Format(PyExc_ValueError, "copy_kv_blocks_in_background: too many jobs");
-    }
-    CopyTask *t = PyObject_New(CopyTask, &CopyTaskType);
-    if (t == NULL) {
-        Py_DECREF(seq);
-        return NULL;
-    }
-    t->started = t->joined = 0;
-    t->load = load;
-    t->njobs = 0;
-    atomic_init(&t->done, 0);
-    t->jobs = PyMem_RawCalloc(njobs ? (size_t)njobs : 1, sizeof(Job));
-    if (t->jobs == NULL) {
-        PyErr_NoMemory();
-        goto fail;
-    }
-    for (Py_ssize_t j = 0; j < njobs; j++) {
-        PyObject *job = PySequence_Fast_GET_ITEM(seq, j);
-        PyObject *spec_o, *blocks_o, *pages_o;
-        if (!PyArg_ParseTuple(job, "OOO:copy_kv_blocks_in_background job", &spec_o, &blocks_o, &pages_o))
-            goto fail;
-        Py_buffer v[3];
-        if (int64_vectors((PyObject *const[]){spec_o, blocks_o, pages_o},
-                          (const char *const[]){"spec", "blocks", "pages"}, v) < 0)
-            goto fail;
-        Py_ssize_t n = v[1].shape[0];
-        int ok = kv_check(v[0].buf, v[0].shape[0], v[1].buf, v[2].buf, n, v[2].shape[0]);
-        Job *J = &t->jobs[t->njobs];
-        if (ok > 0) {
-            J->blocks = PyMem_RawMalloc(2 * (size_t)(n ? n : 1) * sizeof(int64_t));
-            if (J->blocks == NULL) {
-                PyErr_NoMemory();
-                ok = -1;
-            } else {
-                t->njobs++;
-                J->pages = J->blocks + n;
-                J->n = n;
-                memcpy(J->spec, v[0].buf, sizeof(J->spec));
-                memcpy(J->blocks, v[1].buf, (size_t)n * sizeof(int64_t));
-                memcpy(J->pages, v[2].buf, (size_t)n * sizeof(int64_t));
-            }
-        }
-        release3(v);
-        if (ok < 0)
-            goto fail;
-        if (ok == 0) {  /* an index out of range: nothing starts */
-            Py_DECREF(seq);
-            Py_DECREF(t);
-            Py_RETURN_NONE;
-        }
-    }
-    Py_DECREF(seq);
-    int err = pthread_create(&t->thread, NULL, copy_task_run, t);
+    pthread_mutex_init(&q->mu, NULL);
+    pthread_cond_init(&q->work, NULL);
+    pthread_cond_init(&q->done, NULL);
+    atomic_init(&q->completed, 0);
+    int err = pthread_create(&q->thread, NULL, copy_queue_run, q);
     if (err) {
-        Py_DECREF(t);
+        Py_DECREF(q);
         errno = err;
         return PyErr_SetFromErrno(PyExc_OSError);
     }
-    t->started = 1;
-    return (PyObject *)t;
-fail:
-    Py_DECREF(seq);
-    Py_DECREF(t);
-    return NULL;
+    q->started = 1;
+    return (PyObject *)q;
 }
+
+static void copy_queue_dealloc(CopyQueue *q) {
+    copy_queue_stop(q);
+    pthread_mutex_destroy(&q->mu);
+    pthread_cond_destroy(&q->work);
+    pthread_cond_destroy(&q->done);
+    Py_TYPE(q)->tp_free((PyObject *)q);
+}
+
+/* A list of ints or an int64 vector, as n int64s at out (PyMem_RawMalloc'd by the caller: room for n); -1 raised. */
+static int int64_items(PyObject *o, int64_t **out, Py_ssize_t *n, const char *what) {
+    if (PyList_Check(o)) {
+        *n = PyList_GET_SIZE(o);
+        *out = PyMem_RawMalloc((size_t)(*n ? *n : 1) * sizeof(int64_t));
+        if (*out == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        for (Py_ssize_t i = 0; i < *n; i++) {
+            long long x = PyLong_AsLongLong(PyList_GET_ITEM(o, i));
+            if (x == -1 && PyErr_Occurred()) {
+                PyMem_RawFree(*out);
+                *out = NULL;
+                return -1;
+            }
+            (*out)[i] = x;
+        }
+        return 0;
+    }
+    Py_buffer b;
+    if (int64_vector(o, &b, what) < 0)
+        return -1;
+    *n = b.shape[0];
+    *out = PyMem_RawMalloc((size_t)(*n ? *n : 1) * sizeof(int64_t));
+    if (*out == NULL) {
+        PyBuffer_Release(&b);
+        PyErr_NoMemory();
+        return -1;
+    }  /* (NULL on every failure: the caller frees what it got) */
+    memcpy(*out, b.buf, (size_t)*n * sizeof(int64_t));
+    PyBuffer_Release(&b);
+    return 0;
+}
+
+static PyObject *copy_queue_submit(CopyQueue *q, PyObject *args, PyObject *kw) {
+    static char *names[] = {"spec", "blocks", "pages", "load", "unit", NULL};
+    PyObject *spec_o, *blocks_o, *pages_o;
+    int load = 0;
+    long long unit = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO|pL:submit", names, &spec_o, &blocks_o, &pages_o, &load, &unit))
+        return NULL;
+    if (q->joined)
+        return PyErr_Format(PyExc_ValueError, "CopyQueue.submit: the queue is closed");
+    if (unit < 1)
+        return PyErr_Format(PyExc_ValueError, "CopyQueue.submit: unit must be positive");
+    Py_buffer spec;
+    if (int64_vector(spec_o, &spec, "spec") < 0)
+        return NULL;
+    int64_t *blocks = NULL, *pages = NULL;
+    Py_ssize_t n = 0, n_pages = 0;
+    QJob *j = NULL;
+    int ok = -1;
+    if (int64_items(blocks_o, &blocks, &n, "blocks") < 0)
+        goto out;
+    if (int64_items(pages_o, &pages, &n_pages, "pages") < 0)
+        goto out;
+    ok = 1;
+    if (unit > 1)  /* first slots of whole pages: page numbers (anything else is not a page here) */
+        for (Py_ssize_t i = 0; i < n_pages; i++) {
+            if (pages[i] % unit) {
+                ok = 0;
+                break;
+            }
+            pages[i] /= unit;
+        }
+    if (ok > 0)
+        ok = kv_check(spec.buf, spec.shape[0], blocks, pages, n, n_pages);
+    if (ok > 0) {  /* one allocation: the job, then its blocks and pages */
+        j = PyMem_RawMalloc(sizeof(QJob) + 2 * (size_t)(n ? n : 1) * sizeof(int64_t));
+        if (j == NULL) {
+            PyErr_NoMemory();
+            ok = -1;
+        } else {
+            j->job.blocks = (int64_t *)(j + 1);
+            j->job.pages = j->job.blocks + n;
+            j->job.n = n;
+            j->load = load;
+            j->next = NULL;
+            memcpy(j->job.spec, spec.buf, sizeof(j->job.spec));
+            memcpy(j->job.blocks, blocks, (size_t)n * sizeof(int64_t));
+            memcpy(j->job.pages, pages, (size_t)n * sizeof(int64_t));
+        }
+    }
+out:
+    PyBuffer_Release(&spec);
+    PyMem_RawFree(blocks);
+    PyMem_RawFree(pages);
+    if (ok < 0)
+        return NULL;
+    if (ok == 0)
+        Py_RETURN_NONE;
+    pthread_mutex_lock(&q->mu);
+    if (q->tail)
+        q->tail->next = j;
+    else
+        q->head = j;
+    q->tail = j;
+    int64_t ticket = ++q->submitted;
+    pthread_cond_signal(&q->work);
+    pthread_mutex_unlock(&q->mu);
+    return PyLong_FromLongLong(ticket);
+}
+
+static PyObject *copy_queue_completed(CopyQueue *q, PyObject *unused) {
+    return PyLong_FromLongLong(atomic_load(&q->completed));
+}
+
+static PyObject *copy_queue_wait(CopyQueue *q, PyObject *arg) {
+    long long ticket = PyLong_AsLongLong(arg);
+    if (ticket == -1 && PyErr_Occurred())
+        return NULL;
+    if (ticket > q->submitted)
+        return PyErr_Format(PyExc_ValueError, "CopyQueue.wait: ticket %lld was never handed out", ticket);
+    if (atomic_load(&q->completed) >= ticket)
+        Py_RETURN_NONE;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&q->mu);
+    while (atomic_load(&q->completed) < ticket)
+        pthread_cond_wait(&q->done, &q->mu);
+    pthread_mutex_unlock(&q->mu);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *copy_queue_close(CopyQueue *q, PyObject *unused) {
+    copy_queue_stop(q);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef copy_queue_methods[] = {
+    {"submit", (PyCFunction)(void (*)(void))copy_queue_submit, METH_VARARGS | METH_KEYWORDS,
+     "submit(spec, blocks, pages, load=False, unit=1) -> ticket or None (an index out of range or a page not a "
+     "multiple of unit: nothing queued)."},
+    {"completed", (PyCFunction)copy_queue_completed, METH_NOARGS, "The tickets done so far."},
+    {"wait", (PyCFunction)copy_queue_wait, METH_O, "wait(ticket): until it is done (the GIL released)."},
+    {"close", (PyCFunction)copy_queue_close, METH_NOARGS, "Finish the queued jobs and join the thread."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject CopyQueueType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "radixd.client._pagecopy.CopyQueue",
+    .tp_basicsize = sizeof(CopyQueue),
+    .tp_dealloc = (destructor)copy_queue_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A native thread running copy_kv_blocks jobs in order (see the C file).",
+    .tp_methods = copy_queue_methods,
+    .tp_new = copy_queue_new,
+};
 
 static PyMethodDef methods[] = {
     {"copy_pages", (PyCFunction)(void (*)(void))copy_pages, METH_VARARGS | METH_KEYWORDS,
      "copy_pages(plan, src, dst, page, nogil=False) -> bool: every buffer pair's page rows at src's pages into "
      "dst's (False, nothing copied, unless both are whole pages in order within every buffer)."},
-    {"copy_kv_blocks_in_background", (PyCFunction)(void (*)(void))copy_kv_blocks_in_background,
-     METH_VARARGS | METH_KEYWORDS,
-     "copy_kv_blocks_in_background(jobs, load=False) -> CopyTask or None: the layers' (spec, blocks, pages) copies "
-     "on a native thread that never takes the GIL (None, nothing started, when an index is out of range)."},
     {"copy_kv_blocks", (PyCFunction)(void (*)(void))copy_kv_blocks, METH_VARARGS | METH_KEYWORDS,
      "copy_kv_blocks(spec, blocks, pages, load, nogil=False) -> bool: one layer's vLLM CPU blocks <-> radixd pages (False, "
      "nothing copied, when an index is out of range)."},
@@ -404,14 +500,14 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_pagecopy",
                                     "Whole-page KV copies in one call (see the C file's header).", -1, methods};
 
 PyMODINIT_FUNC PyInit__pagecopy(void) {
-    if (PyType_Ready(&CopyTaskType) < 0)
+    if (PyType_Ready(&CopyQueueType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
-    Py_INCREF(&CopyTaskType);
-    if (PyModule_AddObject(m, "CopyTask", (PyObject *)&CopyTaskType) < 0) {
-        Py_DECREF(&CopyTaskType);
+    Py_INCREF(&CopyQueueType);
+    if (PyModule_AddObject(m, "CopyQueue", (PyObject *)&CopyQueueType) < 0) {
+        Py_DECREF(&CopyQueueType);
         Py_DECREF(m);
         return NULL;
     }

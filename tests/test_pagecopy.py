@@ -185,45 +185,87 @@ def test_vllm_block_copies_refuse_indices_out_of_range_and_bad_specs():
         pagecopy.copy_kv_blocks(spec, np.zeros(1, np.int32), np.zeros(1, np.int64), False)
 
 
-def test_background_copies_write_what_the_call_writes_and_report_when_over():
-    """copy_kv_blocks_in_background: several layers' saves on a native thread give the bytes copy_kv_blocks gives;
-    query() turns true once they are over and synchronize() waits for them (a CUDA event's calls); an index out of
-    range starts nothing (None); a bad spec raises."""
+def _layers(nb: int, b: int, h: int, d: int, slots: int, seed: int) -> list:
+    """Two layers of strided vLLM blocks (K column-major in one, row-major in the other) and empty radixd pages."""
+    import torch
+
+    from radixd.vllm import layout
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for cols in (True, False):
+        g = _strided_geometry(nb, b, h, d, torch.float32, True, cols, False)
+        kv, k, v = (torch.randn(nb, h, b, 2 * d, generator=gen), torch.zeros(slots, h, d), torch.zeros(slots, h, d))
+        out.append((layout.cpu_views(kv, g, k, v), kv, k, v))
+    return out
+
+
+@pytest.mark.parametrize("as_lists", [False, True])
+def test_the_copy_queue_writes_what_the_call_writes_in_order_and_says_when(as_lists):
+    """CopyQueue: each layer's save on its native thread gives the bytes copy_kv_blocks gives, from int64 vectors or
+    from lists, pages given as page numbers or as first slots (unit: the page size); tickets count up and
+    completed() reaches the last once wait() returns; a later job into the same pages lands after an earlier one
+    (one thread, in order); the Ticket handle reads it as a CUDA event."""
     import torch
 
     from radixd.vllm import layout
     nb, b, h, d = 9, 4, 2, 8
-    gen = torch.Generator().manual_seed(3)
-    layers = []
-    for cols in (True, False):
-        g = _strided_geometry(nb, b, h, d, torch.float32, True, cols, False)
-        kv, k, v = (torch.randn(nb, h, b, 2 * d, generator=gen), torch.zeros(7 * b, h, d), torch.zeros(7 * b, h, d))
-        layers.append((layout.cpu_views(kv, g, k, v), kv, k, v))
-    blocks, pages = np.array([8, 2, 5, 0], np.int64), np.array([6, 0, 3, 1], np.int64)
+    layers = _layers(nb, b, h, d, 7 * b, 3)
+    blocks, pages = [8, 2, 5, 0], [6, 0, 3, 1]
     want = []
     for views, kv, k, v in layers:
-        assert pagecopy.copy_kv_blocks(views.spec, blocks, pages, False)
+        assert pagecopy.copy_kv_blocks(views.spec, np.array(blocks, np.int64), np.array(pages, np.int64), False)
         want.append((k.clone(), v.clone()))
         k.zero_()
         v.zero_()
-    jobs = [(views.spec, blocks.copy(), pages.copy()) for views, _, _, _ in layers]
-    task = layout.save_in_background(jobs)
-    del jobs  # (the task keeps its own copy of the indices)
-    assert task.synchronize() is None and task.query() is True
+    q = pagecopy.CopyQueue()
+    firsts = [p * b for p in pages]
+    arg = (lambda x: x) if as_lists else (lambda x: np.array(x, np.int64))
+    t1 = q.submit(layers[0][0].spec, arg(blocks), arg(pages))
+    t2 = q.submit(layers[1][0].spec, arg(blocks), arg(firsts), False, b)
+    assert (t1, t2) == (1, 2)
+    ticket = layout.Ticket(q, t2)
+    ticket.synchronize()
+    assert ticket.query() and q.completed() == 2
     for (_, _, k, v), (wk, wv) in zip(layers, want):
         assert torch.equal(k, wk) and torch.equal(v, wv)
-    for _, _, k, v in layers:
-        k.zero_()
-        v.zero_()
-    views = layers[0][0]
-    bad = [(views.spec, np.array([0], np.int64), np.array([0], np.int64)),
-           (views.spec, np.array([nb], np.int64), np.array([0], np.int64))]  # the second layer's block is past the end
-    assert pagecopy.copy_kv_blocks_in_background(bad) is None
-    assert not layers[0][2].any()  # nothing started, not even the first layer's
+    views, kv, k, v = layers[0]  # the same pages written twice: the later job's bytes stay
+    kv2 = kv.clone()
+    kv.mul_(-1)
+    t3 = q.submit(views.spec, [0], [6])
+    kv.copy_(kv2)  # (the queue keeps the indices, never the bytes: the first job may already have read these)
+    q.wait(t3)
+    t4 = q.submit(views.spec, [8], [6])
+    q.wait(t4)
+    assert torch.equal(k[6 * b:7 * b], want[0][0][6 * b:7 * b]) and q.completed() == 4
+    q.close()
+    q.close()  # (closing twice is fine)
+    with pytest.raises(ValueError, match="closed"):
+        q.submit(views.spec, [0], [0])
+
+
+def test_the_copy_queue_refuses_what_it_cannot_copy_and_queues_nothing_then():
+    """An index out of range or a first slot that is not a whole page: None, nothing queued or written; a bad spec
+    or a bad vector raises; a ticket never handed out cannot be waited for."""
+    import torch
+    nb, b, h, d = 4, 4, 2, 3
+    views, kv, k, v = _layers(nb, b, h, d, 3 * b, 5)[0]
+    q = pagecopy.CopyQueue()
+    for blocks, pages, unit in (([4], [0], 1), ([0], [3], 1), ([-1], [0], 1), ([0, 1], [0], 1), ([0], [2], b),
+                                ([0], [3 * b], b)):
+        assert q.submit(views.spec, blocks, pages, False, unit) is None
+        assert q.submit(views.spec, blocks, pages, True, unit) is None
+    assert q.completed() == 0 and not k.any() and not v.any()
     with pytest.raises(ValueError, match="12 int64s"):
-        pagecopy.copy_kv_blocks_in_background([(views.spec[:5], blocks, pages)])
+        q.submit(views.spec[:5], [0], [0])
+    with pytest.raises(TypeError, match="blocks must be"):
+        q.submit(views.spec, np.zeros(1, np.int32), [0])
     with pytest.raises(TypeError):
-        pagecopy.copy_kv_blocks_in_background([(views.spec, blocks)])
-    idle = pagecopy.copy_kv_blocks_in_background([])
-    idle.synchronize()
-    assert idle.query() is True
+        q.submit(views.spec, ["x"], [0])
+    with pytest.raises(ValueError, match="unit"):
+        q.submit(views.spec, [0], [0], False, 0)
+    with pytest.raises(ValueError, match="never handed out"):
+        q.wait(1)
+    t = q.submit(views.spec, [], [])  # (nothing to copy is a job like any other)
+    q.wait(t)
+    assert q.completed() == t == 1
+    del q  # (deallocation joins the thread)

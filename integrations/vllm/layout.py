@@ -25,9 +25,9 @@ import torch
 
 try:  # (optional: numpy's fancy indexing without it)
     from radixd.client._pagecopy import copy_kv_blocks as _copy_kv_blocks
-    from radixd.client._pagecopy import copy_kv_blocks_in_background as _copy_in_background
+    from radixd.client._pagecopy import CopyQueue
 except ImportError:
-    _copy_kv_blocks = _copy_in_background = None
+    _copy_kv_blocks = CopyQueue = None
 
 
 @dataclass(frozen=True)
@@ -195,11 +195,20 @@ def cpu_views(kv: torch.Tensor, g: Geometry, k: torch.Tensor, v: torch.Tensor) -
     return views
 
 
-def save_in_background(jobs: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> Any:
-    """Layers' saves, (a `CpuViews.spec`, vLLM blocks, radixd pages) each, on a native thread that never takes the
-    GIL: a handle with query() and synchronize(), as a CUDA event's; None where client/_pagecopy.c is not built or
-    an index is out of range (nothing started)."""
-    return None if _copy_in_background is None else _copy_in_background(jobs)
+class Ticket:
+    """A `CopyQueue` job as a handle with a CUDA event's query() and synchronize() (one thread runs the queue's jobs
+    in order: every ticket up to the last done is done)."""
+
+    __slots__ = ("queue", "ticket")
+
+    def __init__(self, queue: Any, ticket: int):
+        self.queue, self.ticket = queue, ticket
+
+    def query(self) -> bool:
+        return self.queue.completed() >= self.ticket
+
+    def synchronize(self) -> None:
+        self.queue.wait(self.ticket)
 
 
 def aligned_pages(page_starts: Sequence[int], block_size: int) -> Optional[np.ndarray]:
