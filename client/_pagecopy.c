@@ -248,7 +248,10 @@ typedef struct {
  *   submit(spec, blocks, pages, load=False, unit=1) -> int or None: the job queued (its contents copied), its ticket
  *       (1, 2, ...); blocks and pages are int64 vectors or lists of ints, pages given as page number * unit (a page's
  *       first slot, with unit the page size); None, nothing queued, when an index is out of range or a page is not
- *       a multiple of unit;
+ *       a multiple of unit; start=False leaves the thread asleep if it is (waking it costs the caller a futex
+ *       call, and on a VM an interrupt to another CPU: tens of microseconds): the job runs once a later job
+ *       starts, start() is called, or a wait() needs it;
+ *   start(): wake the thread for the jobs submitted without start;
  *   completed() -> int: the tickets done so far (every ticket up to it: one thread, in order);
  *   wait(ticket): until that ticket is done (the GIL released);
  *   close(): the queued jobs finished, the thread joined (also on deallocation).
@@ -372,11 +375,12 @@ static int int64_items(PyObject *o, int64_t **out, Py_ssize_t *n, const char *wh
 }
 
 static PyObject *copy_queue_submit(CopyQueue *q, PyObject *args, PyObject *kw) {
-    static char *names[] = {"spec", "blocks", "pages", "load", "unit", NULL};
+    static char *names[] = {"spec", "blocks", "pages", "load", "unit", "start", NULL};
     PyObject *spec_o, *blocks_o, *pages_o;
-    int load = 0;
+    int load = 0, start = 1;
     long long unit = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO|pL:submit", names, &spec_o, &blocks_o, &pages_o, &load, &unit))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO|pLp:submit", names, &spec_o, &blocks_o, &pages_o, &load, &unit,
+                                     &start))
         return NULL;
     if (q->joined)
         return PyErr_Format(PyExc_ValueError, "CopyQueue.submit: the queue is closed");
@@ -435,7 +439,8 @@ out:
         q->head = j;
     q->tail = j;
     int64_t ticket = ++q->submitted;
-    pthread_cond_signal(&q->work);
+    if (start)
+        pthread_cond_signal(&q->work);
     pthread_mutex_unlock(&q->mu);
     return PyLong_FromLongLong(ticket);
 }
@@ -454,10 +459,18 @@ static PyObject *copy_queue_wait(CopyQueue *q, PyObject *arg) {
         Py_RETURN_NONE;
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&q->mu);
+    pthread_cond_signal(&q->work);  /* (jobs submitted without start) */
     while (atomic_load(&q->completed) < ticket)
         pthread_cond_wait(&q->done, &q->mu);
     pthread_mutex_unlock(&q->mu);
     Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *copy_queue_start(CopyQueue *q, PyObject *unused) {
+    pthread_mutex_lock(&q->mu);
+    pthread_cond_signal(&q->work);
+    pthread_mutex_unlock(&q->mu);
     Py_RETURN_NONE;
 }
 
@@ -468,8 +481,9 @@ static PyObject *copy_queue_close(CopyQueue *q, PyObject *unused) {
 
 static PyMethodDef copy_queue_methods[] = {
     {"submit", (PyCFunction)(void (*)(void))copy_queue_submit, METH_VARARGS | METH_KEYWORDS,
-     "submit(spec, blocks, pages, load=False, unit=1) -> ticket or None (an index out of range or a page not a "
-     "multiple of unit: nothing queued)."},
+     "submit(spec, blocks, pages, load=False, unit=1, start=True) -> ticket or None (an index out of range or a "
+     "page not a multiple of unit: nothing queued)."},
+    {"start", (PyCFunction)copy_queue_start, METH_NOARGS, "Start the jobs submitted without start."},
     {"completed", (PyCFunction)copy_queue_completed, METH_NOARGS, "The tickets done so far."},
     {"wait", (PyCFunction)copy_queue_wait, METH_O, "wait(ticket): until it is done (the GIL released)."},
     {"close", (PyCFunction)copy_queue_close, METH_NOARGS, "Finish the queued jobs and join the thread."},

@@ -204,7 +204,8 @@ def test_the_copy_queue_writes_what_the_call_writes_in_order_and_says_when(as_li
     """CopyQueue: each layer's save on its native thread gives the bytes copy_kv_blocks gives, from int64 vectors or
     from lists, pages given as page numbers or as first slots (unit: the page size); tickets count up and
     completed() reaches the last once wait() returns; a later job into the same pages lands after an earlier one
-    (one thread, in order); the Ticket handle reads it as a CUDA event."""
+    (one thread, in order); a job submitted without start runs once start() or a wait() wakes the thread; the
+    Ticket handle reads it as a CUDA event."""
     import torch
 
     from radixd.vllm import layout
@@ -237,6 +238,15 @@ def test_the_copy_queue_writes_what_the_call_writes_in_order_and_says_when(as_li
     t4 = q.submit(views.spec, [8], [6])
     q.wait(t4)
     assert torch.equal(k[6 * b:7 * b], want[0][0][6 * b:7 * b]) and q.completed() == 4
+    t5 = q.submit(views.spec, [2], [6], False, 1, False)  # not started: it runs at the next start, or a wait
+    t6 = q.submit(views.spec, [5], [5], False, 1, False)
+    q.start()
+    q.wait(t6)
+    assert q.completed() == t6 == t5 + 1 == 6
+    assert torch.equal(k[6 * b:7 * b], want[0][0][0:b])  # (page 0 held block 2's K in `want`)
+    t7 = q.submit(views.spec, [8], [6], False, 1, False)
+    q.wait(t7)  # (the wait itself wakes the thread)
+    assert torch.equal(k[6 * b:7 * b], want[0][0][6 * b:7 * b])
     q.close()
     q.close()  # (closing twice is fine)
     with pytest.raises(ValueError, match="closed"):
