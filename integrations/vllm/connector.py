@@ -25,12 +25,14 @@ run on a side stream. On CPU, with client/_pagecopy.c built and a plain model, e
 queue (a native thread that never takes the GIL, on a CPU the forward's threads are not bound to) as soon as the
 forward has written the layer (`save_kv_layer`; the thread is woken every eight layers and at the last, as each
 wake costs the forward's thread), so `wait_for_save` waits only for the last layers' copies (a miss's store at 1k
-tokens on this project's 2-core bench: ~90 us of the forward thread's time, from ~230 us copying after the forward). With `async_save` the stores are not waited for (their own stream on GPU; on CPU the
-copy queue, else a copy thread): a store is reported (then published) once it has landed, `request_finished` keeps a finished request's blocks until its copies have landed (`get_finished`), and
-`handle_preemptions` waits for a preempted request's copies before its blocks go to others. The engine learns of
-landed copies at its next step: an offline `LLM.generate` leaves its last step's stores to the next call, and
-stores still out when the engine shuts down are dropped. Hybrid models always copy synchronously (vLLM lets
-sliding-window and state blocks go while a request runs).
+tokens on this project's 2-core bench: ~90 us of the forward thread's time, from ~230 us copying after the
+forward). With `async_save` the stores are not waited for (their own stream on GPU; on CPU the copy queue, else a
+copy thread): a store is reported (then published) once it has landed, `request_finished` keeps a finished
+request's blocks until its copies have landed (`get_finished`), and `handle_preemptions` waits for a preempted
+request's copies before its blocks go to others. The engine learns of landed copies at its next step: an offline
+`LLM.generate` leaves its last step's stores to the next call, and stores still out when the engine shuts down are
+dropped. Hybrid models always copy synchronously (vLLM lets sliding-window and state blocks go while a request
+runs).
 Hybrid models (sliding window): `RadixdHybridConnector` is the same connector with vLLM's `SupportsHMA`, so
 vLLM keeps its hybrid KV cache manager (a block table per KV cache group, null blocks outside a window) and
 radixd, started with `--hybrid-cache --model-config` of the same model, holds the full-attention layers in its
@@ -814,9 +816,10 @@ class _Worker:
         self.save_stream = torch.cuda.Stream(device=dv) if dv.type == "cuda" and self.conn.async_save else None
         if self.stream is None and self.conn.async_save:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="radixd-save")
-        # CPU, a plain model whose every layer copies natively: the copies run on a native thread (the copy queue), a
-        # layer at a time beside the forward: a layer's store starts as soon as the forward has written the layer
-        # (save_kv_layer), and a layer's load is waited for only when the layer is about to read it
+        # CPU, a plain model whose every layer copies natively: stores run on a native thread (the copy queue), a layer
+        # at a time beside the forward, each queued as soon as the forward has written the layer (save_kv_layer).
+        # Loads stay here, before the forward: through the queue, layer by layer, a hit's TTFT measured worse (the
+        # first layer has little forward to overlap, and the hand-over costs a wake)
         if CopyQueue is not None and not self.conn.hma and self.stream is None and self.views and \
                 all(v is not None and v.spec is not None for v in self.views):
             self.queue = _beside_the_forward(CopyQueue)
@@ -999,10 +1002,10 @@ class _Worker:
             self._copy(run)
 
     def save(self, meta: RadixdConnectorMetadata) -> None:
-        """Copy this step's stores into radixd, waited for here: on the copy queue, where each layer's copy started as
-        the forward wrote it (only the last layers' are left to wait for), else all at once (on the side stream on
-        GPU); or, with async_save, reported when they have landed (the copy queue, the save stream on GPU, a native
-        thread or the copy thread on CPU), so the step's outputs do not wait for them."""
+        """Copy this step's stores into radixd, waited for here: on the copy queue, where each layer's copy was queued
+        as the forward wrote it (only the last layers' are left to wait for), else all at once (on the side stream on
+        GPU); or, with async_save, reported when they have landed (on CPU the copy queue or the copy thread, on GPU
+        the save stream), so the step's outputs do not wait for them."""
         def run() -> None:
             for _, _, groups, pages, twins, state in meta.stores:
                 self._each_layer(self._pairs(groups, pages, twins), load=False, nogil=self.conn.async_save)
