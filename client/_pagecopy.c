@@ -13,14 +13,14 @@
  *   returns False, having copied nothing, unless both are whole pages within every buffer; with nogil, the
  *   bytes are copied with the GIL released (a background thread's copy).
  *
- * copy_kv_blocks(spec, blocks, pages, load, nogil=False) -> bool
+ * copy_kv_blocks(spec, blocks, pages, load) -> bool
  *   one layer's pages between a vLLM CPU block cache whose blocks are strided views of K and V (vLLM 0.32.0's
  *   vec kernels, as integrations/vllm/layout.py probed them) and radixd's K and V buffers [slots, heads, dim];
  *   spec: int64 buffer (kv_addr, num_blocks, k_addr, v_addr, radixd_pages, block_size, heads, head_dim,
  *         elem_size, heads_out, k_cols, v_cols): a block is [heads][2][block_size * head_dim] (heads_out) or
  *         [2][heads][...], each kind's chunk row-major [token][dim] or column-major [dim][token] (k_cols, v_cols);
  *   blocks, pages: int64 vectors of the same length, vLLM block i <-> radixd page i; load: radixd -> vLLM;
- *   returns False, having copied nothing, when an index is out of range; nogil as for copy_pages.
+ *   returns False, having copied nothing, when an index is out of range.
  *
  * CopyQueue(): copy_kv_blocks jobs run in order on a native thread that never takes the GIL (see below). */
 #define PY_SSIZE_T_CLEAN
@@ -210,11 +210,10 @@ static void kv_copy(const int64_t *sp, const int64_t *bi, const int64_t *pi, Py_
 }
 
 static PyObject *copy_kv_blocks(PyObject *self, PyObject *args, PyObject *kw) {
-    static char *names[] = {"spec", "blocks", "pages", "load", "nogil", NULL};
+    static char *names[] = {"spec", "blocks", "pages", "load", NULL};
     PyObject *spec_o, *blocks_o, *pages_o;
-    int load, nogil = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOp|p:copy_kv_blocks", names, &spec_o, &blocks_o, &pages_o, &load,
-                                     &nogil))
+    int load;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOp:copy_kv_blocks", names, &spec_o, &blocks_o, &pages_o, &load))
         return NULL;
     Py_buffer v[3];
     if (int64_vectors((PyObject *const[]){spec_o, blocks_o, pages_o}, (const char *const[]){"spec", "blocks", "pages"},
@@ -224,12 +223,8 @@ static PyObject *copy_kv_blocks(PyObject *self, PyObject *args, PyObject *kw) {
     const int64_t *sp = v[0].buf, *bi = v[1].buf, *pi = v[2].buf;
     Py_ssize_t n = v[1].shape[0];
     int ok = kv_check(sp, v[0].shape[0], bi, pi, n, v[2].shape[0]);
-    if (ok > 0) {
-        PyThreadState *released = nogil ? PyEval_SaveThread() : NULL;
+    if (ok > 0)
         kv_copy(sp, bi, pi, n, load);
-        if (released)
-            PyEval_RestoreThread(released);
-    }
     if (ok >= 0)
         result = ok ? Py_True : Py_False;
     release3(v);
@@ -505,7 +500,7 @@ static PyMethodDef methods[] = {
      "copy_pages(plan, src, dst, page, nogil=False) -> bool: every buffer pair's page rows at src's pages into "
      "dst's (False, nothing copied, unless both are whole pages in order within every buffer)."},
     {"copy_kv_blocks", (PyCFunction)(void (*)(void))copy_kv_blocks, METH_VARARGS | METH_KEYWORDS,
-     "copy_kv_blocks(spec, blocks, pages, load, nogil=False) -> bool: one layer's vLLM CPU blocks <-> radixd pages (False, "
+     "copy_kv_blocks(spec, blocks, pages, load) -> bool: one layer's vLLM CPU blocks <-> radixd pages (False, "
      "nothing copied, when an index is out of range)."},
     {NULL, NULL, 0, NULL},
 };

@@ -117,11 +117,9 @@ def _strided_geometry(nb: int, b: int, h: int, d: int, dtype, heads_out: bool, k
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "uint8", "float64"])
 @pytest.mark.parametrize("heads_out, k_cols, v_cols", [(a, b, c) for a in (True, False) for b in (False, True)
                                                        for c in (False, True)])
-@pytest.mark.parametrize("nogil", [False, True])
-def test_vllm_block_copies_write_the_bytes_numpys_views_write(dtype, heads_out, k_cols, v_cols, nogil):
+def test_vllm_block_copies_write_the_bytes_numpys_views_write(dtype, heads_out, k_cols, v_cols):
     """copy_kv_blocks against the layer's numpy views (`CpuViews` without its spec) for every strided block form
-    and element width: saves into radixd's pages and loads back into blocks, byte for byte, nothing else touched
-    (nogil: as the connector's copy thread calls it)."""
+    and element width: saves into radixd's pages and loads back into blocks, byte for byte, nothing else touched."""
     import dataclasses
 
     import torch
@@ -148,7 +146,7 @@ def test_vllm_block_copies_write_the_bytes_numpys_views_write(dtype, heads_out, 
     want_k, want_v = k.clone(), v.clone()
     k.copy_(ref_k)
     v.copy_(ref_v)
-    assert pagecopy.copy_kv_blocks(views.spec, blocks, pages, False, nogil=nogil)
+    assert pagecopy.copy_kv_blocks(views.spec, blocks, pages, False)
     assert torch.equal(k.view(torch.uint8), want_k.view(torch.uint8))
     assert torch.equal(v.view(torch.uint8), want_v.view(torch.uint8))
     k2, v2 = rand(slots, h, d), rand(slots, h, d)  # new pages, loaded into the blocks both ways
@@ -157,7 +155,7 @@ def test_vllm_block_copies_write_the_bytes_numpys_views_write(dtype, heads_out, 
     plain.load(blocks, pages)
     want_kv = kv.clone()
     kv.copy_(ref_kv)
-    assert pagecopy.copy_kv_blocks(views.spec, blocks, pages, True, nogil=nogil)
+    assert pagecopy.copy_kv_blocks(views.spec, blocks, pages, True)
     assert torch.equal(kv.view(torch.uint8), want_kv.view(torch.uint8))
     assert not torch.equal(kv.view(torch.uint8), ref_kv.view(torch.uint8))  # (the load did write)
 

@@ -945,9 +945,8 @@ class _Worker:
                 out[(g, swa)] = _Pairs(b, p, self.layers[0].device, self.geo.block_size)
         return out
 
-    def _each_layer(self, pairs: dict, load: bool, nogil: bool = False) -> None:
-        """Copy every layer's pages: through the layer's numpy views where it has them, else by torch's gather
-        (nogil: a store on the copy thread, which lets the engine's thread run meanwhile)."""
+    def _each_layer(self, pairs: dict, load: bool) -> None:
+        """Copy every layer's pages: through the layer's numpy views where it has them, else by torch's gather."""
         for (kv, g, k, v, swa), views in zip(self.plan, self.views):
             pr = pairs.get((g, swa))
             if pr is None:
@@ -956,7 +955,7 @@ class _Worker:
                 if load:
                     views.load(pr.blocks_np, pr.pages)
                 else:
-                    views.save(pr.blocks_np, pr.pages, nogil)
+                    views.save(pr.blocks_np, pr.pages)
             else:
                 blocks, starts = pr.tensors
                 (load_blocks if load else save_blocks)(kv, self.geo, blocks, k, v, starts)
@@ -1008,7 +1007,7 @@ class _Worker:
         the save stream), so the step's outputs do not wait for them."""
         def run() -> None:
             for _, _, groups, pages, twins, state in meta.stores:
-                self._each_layer(self._pairs(groups, pages, twins), load=False, nogil=self.conn.async_save)
+                self._each_layer(self._pairs(groups, pages, twins), load=False)
                 self._copy_states(groups, state, load=False)
         step = self._step_for(meta) if self.queue is not None else None
         self._meta = self._step = None

@@ -155,9 +155,8 @@ class CpuViews:
     page_v: np.ndarray
     spec: Optional[np.ndarray] = None  # copy_kv_blocks' description of the layer (addresses: the buffers outlive it)
 
-    def save(self, blocks: np.ndarray, pages: np.ndarray, nogil: bool = False) -> None:
-        """(nogil: the native copy lets other threads run meanwhile, for a copy off the forward's thread)"""
-        if self.spec is not None and _copy_kv_blocks(self.spec, blocks, pages, False, nogil):
+    def save(self, blocks: np.ndarray, pages: np.ndarray) -> None:
+        if self.spec is not None and _copy_kv_blocks(self.spec, blocks, pages, False):
             return
         self.page_k[pages] = self.block_k[blocks]  # (an index out of range raises here)
         self.page_v[pages] = self.block_v[blocks]
