@@ -133,6 +133,48 @@ def test_native_chain_equals_the_python_reference():
         hashes.chain(b"x" * 8, 4, b"short")
 
 
+def test_first_page_hash_from_every_token_type_equals_the_reference():
+    """The hash an engine takes of each arriving request (the native call reads its token ids where they lie:
+    SGLang's array('q'), vLLM's lists, int32 buffers) against hashlib's chain, for every type and salt."""
+    from array import array
+
+    from radixd.server.tree import hashes
+    if not hashes.NATIVE:
+        assert not os.environ.get("RADIXD_REQUIRE_NATIVE"), "the native chain was not built (OpenSSL headers?)"
+        pytest.skip("the native chain was not built (no OpenSSL headers at install): Python hashes alone")
+    rng = np.random.default_rng(5)
+    for page in (1, 2, 16, 300):  # (300: past the native call's stack buffer)
+        toks = rng.integers(0, 1 << 32, page + 7, dtype=np.int64).tolist()
+        toks[0] = (1 << 32) - 1  # the top of the range
+        for salt in ("", "tenant-a"):
+            want = _ref_block_hashes(toks[:page], page, salt)[0]
+            assert hashes.first_block_hash(toks, page, salt) == want
+            assert hashes.first_block_hash([np.int64(t) for t in toks], page, salt) == want  # (numpy's ints)
+            assert hashes.first_block_hash(array("q", toks), page, salt) == want
+            assert hashes.first_block_hash(array("Q", toks), page, salt) == want
+            assert hashes.first_block_hash(array("L", toks), page, salt) == want
+            assert hashes._native_first(np.asarray(toks, dtype=np.uint32), page,
+                                        hashes.salt_seed(salt)) == want
+            small = [t % 30000 for t in toks]
+            want_small = _ref_block_hashes(small[:page], page, salt)[0]
+            for code in "bhiq":
+                if code in "bh" and max(small) >= 1 << (8 * array(code).itemsize - 1):
+                    continue
+                assert hashes.first_block_hash(array(code, small), page, salt) == want_small
+            assert hashes._native_first(np.asarray(small, dtype=np.int32), page, None) == \
+                _ref_block_hashes(small[:page], page)[0]
+    for bad in ([1, -1], array("q", [1, -1]), [1, 1 << 32], array("q", [1 << 40, 1])):
+        with pytest.raises(OverflowError):
+            hashes.first_block_hash(bad, 2)
+    with pytest.raises(ValueError):
+        hashes._native_first([1], 2, None)  # no whole page
+    with pytest.raises(ValueError):
+        hashes._native_first([1, 2], 2, b"short")
+    with pytest.raises(TypeError):
+        hashes._native_first([1, "x"], 2, None)
+    with pytest.raises(TypeError):
+        hashes._native_first(np.zeros(4, np.float32), 2, None)
+
 def test_lazy_digests_resolve_on_another_thread_while_the_tree_changes():
     """The server's split: the request path records, a publisher thread hashes; the result is exact."""
     import queue

@@ -14,7 +14,6 @@ FROZEN. External routers and stores depend on these bytes; never change them, ad
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 import struct
 from array import array
@@ -23,9 +22,9 @@ from typing import Optional
 import numpy as np
 
 try:  # the same chain in C, the GIL released while it hashes (setup.py builds it where OpenSSL's headers are)
-    from ._chain import chain as _native_chain
+    from ._chain import chain as _native_chain, first as _native_first
 except ImportError:  # pragma: no cover - depends on the build machine
-    _native_chain = None
+    _native_chain = _native_first = None
 
 NATIVE = _native_chain is not None
 
@@ -154,20 +153,11 @@ def block_hashes(digests: bytes) -> list[int]:
     return np.frombuffer(digests, dtype=">i8").reshape(-1, 4)[:, 0].tolist()
 
 
-@functools.lru_cache(maxsize=8)
-def _page_struct(page_size: int) -> struct.Struct:
-    return struct.Struct(f"<{page_size}I")
-
-
 def first_block_hash(tokens, page_size: int, cache_salt: str = "") -> int:
-    """The block hash of the first page alone, in the fewest calls: the check an engine makes on each arriving
-    request, on a scheduler thread whose caches the forward left cold (each call costs microseconds there)."""
-    if type(tokens) in (list, array) and _native_chain is not None and len(tokens) >= page_size:
-        try:
-            data = _page_struct(page_size).pack(*tokens[:page_size])
-        except struct.error as e:
-            raise OverflowError(f"a token id does not fit uint32: {e}") from None
-        return _HEAD.unpack_from(_native_chain(data, page_size * 4, salt_seed(cache_salt)))[0]
+    """The block hash of the first page alone, in one native call where it can: the check an engine makes on each
+    arriving request, on a scheduler thread whose caches the forward left cold (each call costs microseconds there)."""
+    if _native_first is not None and type(tokens) in (list, array):
+        return _native_first(tokens, page_size, salt_seed(cache_salt) if cache_salt else None)
     return token_block_hashes(tokens[:page_size], page_size, cache_salt)[0]
 
 
