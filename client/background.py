@@ -430,6 +430,7 @@ class Stores:
             _, rid, tokens, prefix, receipt, ns, copy, lookup = op
             ids = np.asarray(tokens, dtype=np.int32)
             if lookup is not None:
+                lookup = np.asarray(lookup, dtype=np.int32)
                 k = min(len(lookup), len(ids))
                 if lookup[:k].tobytes() != ids[:k].tobytes():  # looked up for other tokens: the lock goes
                     if receipt:

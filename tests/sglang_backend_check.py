@@ -473,6 +473,44 @@ def scenario_a_request_whose_lookup_is_out_waits_in_the_queue(c: CacheClient) ->
     b.cache.shutdown()
 
 
+def scenario_a_finished_hit_publishes_only_its_new_pages(c: CacheClient) -> None:
+    """A queued request's lookup (SGLang's array('q') ids, handed to the lookup thread as they are) locks radixd's
+    prefix; the request loads it back, computes more pages and finishes: its store attaches to that prefix (the
+    looked-up ids agree with the stored ones across the two types), publishing only the new pages."""
+    from radixd.sglang.backend import hook_scheduler
+    a, b = Engine(), Engine()
+    rng = random.Random(time.time_ns())
+    prompt = [rng.randrange(9000, 9999) for _ in range(24)]
+    publish(c, a, "p", prompt)
+    more = prompt + [rng.randrange(9000, 9999) for _ in range(9)]  # two more whole pages, and one token
+
+    class Scheduler:  # the methods the backend wraps, as SGLang 0.5.23's Scheduler has them
+        def _add_request_to_queue(self, req, is_retracted: bool = False) -> None:
+            pass
+
+        def process_batch_result(self, batch, result) -> None:
+            pass
+    sched = Scheduler()
+    hook_scheduler(sched, b.cache)
+    published: list[dict] = []
+    send = b.cache.client.cache_finished
+    b.cache.client.cache_finished = lambda items, *x, **k: (published.extend(items), send(items, *x, **k))[1]
+    r = b.request("f", more)
+    sched._add_request_to_queue(r)
+    asked = b.cache._asked[r.cache_request_handle].tokens
+    assert isinstance(asked, array) and asked.typecode == "q", "the queued lookup converted SGLang's ids itself"
+    b.cache.lookups.wait_idle(30)
+    assert b.prefill(r, len(more), finish=True) == (0, 24)  # radixd's 24 loaded back, the rest computed
+    sched.process_batch_result([r], None)
+    b.release(r)
+    settled(c, a, b)
+    assert [(i["prev_prefix_len"], len(i["tokens"])) for i in published] == [(24, 32)], \
+        [(i["prev_prefix_len"], len(i["tokens"])) for i in published]
+    radixd_holds_the_forwards_kv(c, more[:32])
+    a.cache.shutdown()
+    b.cache.shutdown()
+
+
 def scenario_a_stopped_radixd_costs_a_miss_at_the_deadline(c: CacheClient) -> None:
     """radixd stopped (SIGSTOP) while a request is queued: its match waits no longer than the deadline, reports
     no radixd hit, and the lookup's lock is released once radixd answers again."""

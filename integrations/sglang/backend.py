@@ -50,10 +50,9 @@ import threading
 import time
 from array import array
 from collections import deque
-from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 import torch
@@ -87,10 +86,12 @@ def _ids(tokens: Any) -> np.ndarray:
     return np.asarray(tokens, dtype=np.int32)
 
 
-def _agree(a: np.ndarray, b: np.ndarray) -> bool:
-    """Two token sequences (radixd's int32) equal as far as the shorter goes."""
+def _agree(a: Any, b: Any) -> bool:
+    """Two token sequences (any int sequences) equal as far as the shorter goes."""
     n = min(len(a), len(b))
-    return a[:n].tobytes() == b[:n].tobytes()  # (a fifth of np.array_equal's time on a cold scheduler thread)
+    if type(a) is array and type(b) is array and a.typecode == b.typecode:
+        return a[:n] == b[:n]  # (SGLang's own ids, compared in C: no conversion on a cold scheduler thread)
+    return _ids(a[:n]).tobytes() == _ids(b[:n]).tobytes()  # (a fifth of np.array_equal's time there)
 
 
 def _byte_rows(ours: list[torch.Tensor], theirs: list[torch.Tensor], page: int) -> Optional[tuple[list, list]]:
@@ -152,7 +153,7 @@ def attached(cache: RadixCache, node: Any) -> bool:
     return True
 
 
-@dataclass
+@dataclass(slots=True)
 class _Marker:
     """From a match that found pages in radixd to its init_load_back: the lock and where the pages are."""
 
@@ -167,11 +168,11 @@ class _CopyJob:
     (`Stores.store`) and before it publishes; the scheduler polls it as a CUDA event. On GPU it runs on the side
     stream once the scheduler's stream reached `after` (recorded when the request finished: its forward wrote the KV)."""
 
+    __slots__ = ("cache", "src", "after", "done")
+
     def __init__(self, cache: "RadixdRadixCache", src: Any, after: Any = None):
         self.cache, self.src, self.after = cache, src, after  # src: SGLang's slots of the whole pages, root first
-        self.done = False
-        self._running = threading.Lock()  # held until the copy is over (a bare lock: an Event costs 10x more here)
-        self._running.acquire()
+        self.done = False  # (no lock of its own: one condition per cache, taken by the store thread, not here)
 
     def __call__(self, start: int, dst: Optional[np.ndarray]) -> bool:
         """The pages from `start` on into radixd's slots `dst` (None: not stored); once only."""
@@ -191,18 +192,20 @@ class _CopyJob:
             log.exception("radixd store copy failed")
             return False
         finally:
-            self.done = True
-            self._running.release()
+            with self.cache._copied:
+                self.done = True
+                self.cache._copied.notify_all()
 
     def query(self) -> bool:
         return self.done
 
     def synchronize(self) -> None:
-        with self._running:
-            pass
+        if not self.done:
+            with self.cache._copied:
+                self.cache._copied.wait_for(lambda: self.done)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Store:
     """A finished request's pages on their way into radixd: its path stays pinned until the copy is over."""
 
@@ -210,34 +213,34 @@ class _Store:
     node: Any
 
 
-@dataclass
+@dataclass(slots=True)
 class _Plan:
     """A finished request's path, pinned in SGLang's tree until its radixd lookup lands and the copy is done."""
 
     sid: int
     node: Any
     src: torch.Tensor  # SGLang slots of the whole pages, root first
-    tokens: np.ndarray  # (radixd's int32, as looked up)
+    tokens: Any  # (SGLang's ids, as looked up)
     ns: dict
     asked: float
     job: _CopyJob
 
 
-@dataclass
+@dataclass(slots=True)
 class _Asked:
     """A radixd lookup on its way for a request."""
 
-    tokens: np.ndarray
+    tokens: Any  # SGLang's ids as looked up (array('q'): the lookup thread converts them)
     at: float
     req: Any = None  # the queued request (held back from admission while this is out), if started at queue time
 
 
-@dataclass
+@dataclass(slots=True)
 class _Hold:
     """What a request's lookup locked in radixd, kept until the request ends: its hit on every later match and
     the prefix its finished pages attach to (no second lookup)."""
 
-    tokens: np.ndarray
+    tokens: Any
     prefix: np.ndarray
     receipt: int
 
@@ -289,6 +292,7 @@ class RadixdRadixCache(RadixCache):
         self.native_copies = 0  # copies done by the native call (tests)
         self._markers: dict[Any, _Marker] = {}
         self._stores: deque[_Store] = deque()
+        self._copied = threading.Condition()  # a store's copy over (`_CopyJob.synchronize` waits on it)
         self.loaded_tokens = 0  # tokens copied in from radixd (for tests and logs)
         self.stored_tokens = 0
         self.rpcs = 0  # radixd calls made on the scheduler thread (for tests and benchmarks)
@@ -436,17 +440,17 @@ class RadixdRadixCache(RadixCache):
                 self._missed.clear()
             self._missed[req.cache_request_handle] = time.monotonic()
             return
-        ids = _ids(origin)
-        if len(out):
-            ids = np.concatenate([ids, _ids(out)])
-        self._ask(req.cache_request_handle, ids[:n], ns, req)
+        # SGLang's ids as they are (a slice: the request's own keep growing): the lookup thread converts them
+        ids = origin[:n] if len(origin) >= n else np.concatenate([_ids(origin), _ids(out)])[:n]
+        self._ask(req.cache_request_handle, ids, ns, req)
 
     def _known_miss(self, tokens: Any, ns: dict) -> bool:
         """radixd holds not even the first page of tokens (any int sequence), by the local index."""
         return self.index is not None and self.index.known_miss(tokens, ns["cache_salt"])
 
-    def _ask(self, handle: Any, tokens: np.ndarray, ns: dict, req: Any = None) -> None:
-        self._forget(handle)
+    def _ask(self, handle: Any, tokens: Any, ns: dict, req: Any = None) -> None:
+        if handle in self._asked or handle in self._holds:
+            self._forget(handle)
         self._asked[handle] = _Asked(tokens, time.monotonic(), req)
         self.lookups.submit(handle, tokens, ns)
 
@@ -478,7 +482,7 @@ class RadixdRadixCache(RadixCache):
                 old = self._holds.pop(handle, None)
                 if old is not None:
                     self._unlock_after_load(handle, old.receipt)
-                self._holds[handle] = _Hold(asked.tokens, np.asarray(res[0], dtype=np.int64), res[1])
+                self._holds[handle] = _Hold(asked.tokens, res[0], res[1])  # (Lookups' slots: int64 already)
         return self._holds.get(handle)
 
     def hold_back(self, waiting: list, busy: bool) -> Optional[tuple[list, list]]:
@@ -539,7 +543,8 @@ class RadixdRadixCache(RadixCache):
         if path is None:
             return base
         hit = len(path) - device_len
-        snap = key[:len(key)]  # a copy of the ids in the scheduler's own type (array('q')): SGLang's tree compares
+        # the ids in the scheduler's own type (array('q')), a copy (page_aligned copies unless pages are single tokens)
+        snap = key if key is not params.key else key[:len(key)]
         self._markers[req.cache_request_handle] = _Marker(receipt, path, snap, device_len)
         node = base.last_device_node
         return base._replace(last_host_node=node, best_match_node=node, host_hit_length=hit)
@@ -549,7 +554,7 @@ class RadixdRadixCache(RadixCache):
         the lookup it started when it was queued (or one started now), waited for up to the deadline. The lock
         stays with the request's hold (the receipt returned is 0)."""
         self._missed.pop(handle, None)  # (a queue-time miss older than the deadline: asked afresh)
-        tokens = _ids(key.raw_token_ids())
+        tokens = key.raw_token_ids()  # (compared and looked up as they are: array('q'))
         hold = self._holds.get(handle)
         if hold is None or not _agree(hold.tokens, tokens):
             asked = self._asked.get(handle)
@@ -557,7 +562,8 @@ class RadixdRadixCache(RadixCache):
                 if self._known_miss(tokens, self._ns(key)):
                     self._forget(handle)
                     return None, 0
-                self._ask(handle, tokens, self._ns(key))  # none yet, or for other tokens
+                self._ask(handle, tokens[:], self._ns(key))  # none yet, or for other tokens (a copy: the key's
+                # ids may be the request's own, which grow while the lookup thread reads them)
                 asked = self._asked[handle]
             hold = self._collect(handle, max(self.deadline - (time.monotonic() - asked.at), 0.0))
             if handle in self._asked:
@@ -635,15 +641,17 @@ class RadixdRadixCache(RadixCache):
         finally:
             self._unlock(marker.receipt)
 
-    @contextmanager
-    def admitting(self) -> Iterator[None]:
-        """The scheduler's admission pass: its load-backs are copied together when it ends, before the batch's
-        forward."""
+    def admission(self, waiting: list, busy: bool) -> Optional[tuple[list, list]]:
+        """The scheduler's admission pass begins: its load-backs are copied together when it ends (`admitted`), before
+        the batch's forward; returns `hold_back`'s answer."""
+        held = self.hold_back(waiting, busy) if self._asked else None
         self._admitting = True
-        try:
-            yield
-        finally:
-            self._admitting = False
+        return held
+
+    def admitted(self) -> None:
+        """The admission pass ended: its load-backs copied, as one."""
+        self._admitting = False
+        if self._pending:
             self._flush_loads()
 
     def _load(self, handle: Any, at: np.ndarray, dst: torch.Tensor) -> None:
@@ -690,7 +698,9 @@ class RadixdRadixCache(RadixCache):
                 self._drain()
             return
         node = req.last_node
-        indices = self.path_device_indices(node).to(torch.int64)
+        indices = self.path_device_indices(node)
+        if indices.dtype != torch.int64:  # (SGLang's are; a no-op conversion is a dispatch on a cold thread)
+            indices = indices.to(torch.int64)
         n = len(indices) - len(indices) % self.page_size
         if n == 0:
             if not self.stepped:
@@ -742,9 +752,8 @@ class RadixdRadixCache(RadixCache):
             self._hand_over(key, raw, EMPTY, 0, ns, job, node)
         else:  # look radixd up first
             self._forget(handle)
-            tokens = _ids(raw)
-            self.lookups.submit(key, tokens, ns, load_back=False)
-            self._plans.append(_Plan(self._sid, node, src, tokens, ns, time.monotonic(), job))
+            self.lookups.submit(key, raw, ns, load_back=False)  # (raw: a slice of the request's ids, converted there)
+            self._plans.append(_Plan(self._sid, node, src, raw, ns, time.monotonic(), job))
         if not self.stepped:
             self._drain()
 
@@ -879,8 +888,8 @@ def hook_scheduler(scheduler: Any, cache: RadixdRadixCache) -> None:
 
     def get_new_batch_prefill(running_batch, *args: Any, **kwargs: Any):
         busy = not running_batch.is_empty() or getattr(scheduler, "chunked_req", None) is not None
-        held = cache.hold_back(scheduler.waiting_queue, busy)
-        with cache.admitting():
+        held = cache.admission(scheduler.waiting_queue, busy)
+        try:
             if held is None:
                 return prefill(running_batch, *args, **kwargs)
             scheduler.waiting_queue = held[0]
@@ -888,6 +897,8 @@ def hook_scheduler(scheduler: Any, cache: RadixdRadixCache) -> None:
                 return prefill(running_batch, *args, **kwargs)
             finally:  # (the pass reassigns the queue: the held requests go back at its end)
                 scheduler.waiting_queue.extend(held[1])
+        finally:
+            cache.admitted()
     scheduler._add_request_to_queue = add_request_to_queue
     scheduler.process_batch_result = process_batch_result
     if prefill is not None:
