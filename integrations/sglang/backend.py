@@ -434,12 +434,14 @@ class RadixdRadixCache(RadixCache):
         n -= n % self.page_size
         if n <= 0:
             return
-        ns = dict(extra_key=req.extra_key or "", cache_salt=req.cache_salt or "")
-        if self._known_miss(origin if len(origin) >= self.page_size else origin + out, ns):  # (its first page
-            if len(self._missed) > 65536:  # is all it hashes) (dropped at release; this bounds any that never are)
-                self._missed.clear()
+        salt = req.cache_salt or ""
+        index = self.index  # (asked straight: one call layer less on a cache-cold thread)
+        if index is not None and index.known_miss(origin if len(origin) >= self.page_size else origin + out, salt):
+            if len(self._missed) > 65536:  # (its first page is all it hashes) (dropped at release; this bounds any
+                self._missed.clear()  # that never are)
             self._missed[req.cache_request_handle] = time.monotonic()
             return
+        ns = dict(extra_key=req.extra_key or "", cache_salt=salt)
         # SGLang's ids as they are (a slice: the request's own keep growing): the lookup thread converts them
         ids = origin[:n] if len(origin) >= n else np.concatenate([_ids(origin), _ids(out)])[:n]
         self._ask(req.cache_request_handle, ids, ns, req)
@@ -620,7 +622,7 @@ class RadixdRadixCache(RadixCache):
             if slots is None:
                 return 0, last
             at = marker.path[marker.device_len:marker.device_len + n]
-            dst = slots.to(torch.int64)
+            dst = slots if slots.dtype == torch.int64 else slots.to(torch.int64)  # (SGLang's are int64)
             if not self.asynchronous:  # TP: every rank has its heads before the lead releases radixd's lock
                 self._copy_in(at, dst)
                 if self.cuda:
@@ -629,7 +631,7 @@ class RadixdRadixCache(RadixCache):
             end = marker.device_len + n
             value = torch.cat([self.path_device_indices(last)[:marker.device_len].to(torch.int64), dst]) \
                 if marker.device_len else dst
-            r = self.insert(InsertParams(key=marker.key[:end], value=value,
+            r = self.insert(InsertParams(key=marker.key if end == len(marker.key) else marker.key[:end], value=value,
                                          inserted_len=marker.device_len, priority=getattr(last, "priority", 0)))
             dup = min(max(r.prefix_len - marker.device_len, 0), n)
             if dup:  # inserted meanwhile by this engine: our slots there are duplicates
