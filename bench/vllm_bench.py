@@ -6,7 +6,9 @@ Engines run in vLLM's venv (`.venv-vllm`, built by .ci/run; or RADIXD_VLLM_PYTHO
   A  connector, radixd cold    a miss: prefill + page stores + CacheUnfinished (+ MatchPrefix with --events off:
                                the connector then has no local index of radixd's pages to answer it)
   B  connector, radixd warm    a hit: MatchPrefix + page loads, prefill of the last partial page only
-The three engines are up at once and take the prompts in turns (C and A alternating which goes first, B one
+  N  (--floor) a connector that does nothing (tests/vllm_null_connector.py): vLLM's own cost of a connector, the
+     floor no connector can go below; A/N is what radixd costs beyond it
+The engines are up at once and take the prompts in turns (C and A, and N, changing which goes first, B one
 prompt behind them, once radixd holds what A stored): this machine's speed drifts by up to 1.6x over seconds,
 and a ratio of two times taken a few milliseconds apart cancels most of it. The ratios are the medians of the
 per-prompt ratios.
@@ -22,7 +24,7 @@ and radixd calls per step made on the scheduler thread (an Alloc when the slot s
 connector's lookup thread (MatchPrefix, LoadBack).
 
     python bench/vllm_bench.py [--lengths 512,1024,2048,4096] [--repeat 60] [--batches 1,16,128]
-                               [--arch nemotron-h]
+                               [--arch nemotron-h] [--floor]
 
 CPU layout (--cpus): "split" (the default) runs every engine, C included, with one OpenMP thread fewer than the
 machine has CPUs, and pins radixd to the last CPU: the deployment vLLM's CPU backend recommends (cores kept
@@ -189,6 +191,10 @@ def main() -> None:
                                                   "'{\"local_index\": false}' or '{\"async_save\": true}'")
     ap.add_argument("--events", default="on", choices=["on", "off"],
                     help="radixd's --kv-events: on, the connector answers misses from its local index (no RPC)")
+    ap.add_argument("--floor", action="store_true",
+                    help="engine N too, with a connector that does nothing (tests/vllm_null_connector.py): N/C is "
+                         "vLLM's own cost of having a connector, A/N radixd's beyond it (RESULT floor_<len>, "
+                         "over_floor_<len>)")
     ap.add_argument("--calibrate", action="store_true",
                     help="engine A without the connector too (no B): A/C is then what two identical engines read, "
                          "the resolution of miss_overhead on this machine (RESULT aa_<len>)")
@@ -219,11 +225,14 @@ def _ttft(py: str, model: str, args, hybrid: bool, block: int, extra: tuple) -> 
                      "--model-config", os.path.join(model, "config.json"), *extra)
     everything = [warm] + prompts
     plain = "CA" if args.calibrate else "C"  # (--calibrate: A has no connector either, and there is no B)
-    engines = {w: _Served(py, model, everything, "" if w in plain else srv.target, max_len, hybrid,
+    floor = args.floor and not args.calibrate and not hybrid
+    turns = ("CAN", "ANC", "NCA") if floor else ("AC", "CA")  # (each engine first, middle and last in turn)
+    engines = {w: _Served(py, model, everything, "" if w in plain + "N" else srv.target, max_len, hybrid,
                           *(["--await-index"] if w == "B" and args.events == "on" else []),
-                          *(["--extra", args.extra] if w not in plain else []))
-               for w in ("CA" if args.calibrate else "CAB")}
-    times: dict[str, list[float]] = {w: [] for w in "CAB"}
+                          *(["--null-connector"] if w == "N" else []),
+                          *(["--extra", args.extra] if w not in plain + "N" else []))
+               for w in ("CA" if args.calibrate else "CAB" + ("N" if floor else ""))}
+    times: dict[str, list[float]] = {w: [] for w in "CABN"}
     cached: list[int] = []
     try:
         for e in engines.values():
@@ -231,7 +240,7 @@ def _ttft(py: str, model: str, args, hybrid: bool, block: int, extra: tuple) -> 
         with CacheClient(srv.target, attach=False) as probe:
             for i in range(len(everything) + 1):
                 if i < len(everything):
-                    for w in ("CA" if i % 2 else "AC"):
+                    for w in turns[i % len(turns)]:
                         got = engines[w].run(i)
                         times[w].append(got["seconds"])
                         if w == "C":
@@ -269,7 +278,14 @@ def _ttft(py: str, model: str, args, hybrid: bool, block: int, extra: tuple) -> 
         results[f"miss_overhead_{n}"] = statistics.median(a / c for a, c in zip(ta, tc))
         print(f"{n:7d} {statistics.median(tc) * 1e3:13.1f} {statistics.median(ta) * 1e3:10.1f} "
               f"{statistics.median(tb) * 1e3:9.1f} {min(cached[sl]):9d} {results[f'ttft_x_{n}']:9.2f} "
-              f"{results[f'miss_overhead_{n}']:9.2f}")
+              f"{results[f'miss_overhead_{n}']:9.3f}")
+        if floor:
+            tn = times["N"][sl]
+            results[f"floor_{n}"] = statistics.median(x / c for x, c in zip(tn, tc))
+            results[f"over_floor_{n}"] = statistics.median(a / x for a, x in zip(ta, tn))
+            print(f"{'':7} N, a connector that does nothing: {statistics.median(tn) * 1e3:.1f} ms, N/C "
+                  f"{results[f'floor_{n}']:.3f} (vLLM's own cost of a connector); A/N {results[f'over_floor_{n}']:.3f} "
+                  "(radixd's beyond it)")
     return results
 
 

@@ -97,6 +97,8 @@ def main() -> None:
     ap.add_argument("--evict-between", action="store_true", help="empty radixd's device tier after each prompt")
     ap.add_argument("--batch", type=int, default=1, help="prompts submitted together (one generate call)")
     ap.add_argument("--extra", default="{}", help="more kv_connector_extra_config (JSON)")
+    ap.add_argument("--null-connector", action="store_true", help="a connector that does nothing "
+                    "(tests/vllm_null_connector.py): vLLM's own cost of having one")
     ap.add_argument("--stats", default="", help="write the connector's scheduler-side costs here (in-process "
                                                 "engine only)")
     ap.add_argument("--serve", type=int, default=-1, help="stay up: prompt indices from stdin, results to this fd")
@@ -116,6 +118,9 @@ def main() -> None:
             kv_connector="RadixdHybridConnector" if args.hybrid else "RadixdConnector",
             kv_connector_module_path="radixd.vllm", kv_role="kv_both",
             kv_connector_extra_config={"radixd_target": args.radixd, **json.loads(args.extra)})
+    elif args.null_connector:
+        kw["kv_transfer_config"] = KVTransferConfig(kv_connector="NullConnector",
+                                                    kv_connector_module_path="vllm_null_connector", kv_role="kv_both")
     arch = (json.load(open(os.path.join(args.model_dir, "config.json"))).get("architectures") or [""])[0]
     if arch == "NemotronHForCausalLM":  # Mamba2 on CPU: a prefill chunk may not cross a block (VLLM_CPU.md)
         kw.update(block_size=MAMBA_BLOCK, max_num_batched_tokens=MAMBA_BLOCK)
