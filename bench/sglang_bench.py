@@ -19,7 +19,7 @@ the backend's lookup and store threads (after each step, untimed, the bench lets
 round, as they would during the next forward).
 
     python bench/sglang_bench.py [--batches 1,16,128] [--prompts 256] [--length 256] [--page 16] [--events on|off]
-                                 [--repeats 3] [--forward-mb 64] [--decode-steps 1]
+                                 [--repeats 3] [--forward-mb 64] [--decode-steps 1] [--pool-tokens 65536]
 
 Each batch size runs `--repeats` rounds, on new prompts each round, of two pairs: SGLang alone beside the miss run,
 then beside the hit run, the runs of a pair stepped in turn so that the machine's drift hits them alike; a
@@ -59,7 +59,7 @@ def _python() -> str:
 
 
 def engine_side(target: str, batch: int, prompts: int, length: int, page: int, repeats: int = 3,
-                forward_mb: int = 64, decode_steps: int = 1) -> dict:
+                forward_mb: int = 64, decode_steps: int = 1, pool: int = 65536) -> dict:
     """In SGLang's venv: at one batch size, `repeats` rounds of SGLang alone, then the backend on new prompts
     (miss), then a fresh backend on the same prompts (hit); per-request times and RPCs, per round."""
     import random
@@ -80,7 +80,7 @@ def engine_side(target: str, batch: int, prompts: int, length: int, page: int, r
     texts: list = []
     scratch = np.zeros(forward_mb << 18, np.float32)  # what a forward streams through the CPU's caches
     live = batch * (decode_steps + 3) + 2  # requests at once: queued, held back, running
-    slots = live * (length + page) * 2
+    slots = max(live * (length + page) * 2, pool)
 
     def build(backend: bool):
         r2t = ReqToTokenPool(size=live + 1, max_context_len=length + page, device="cpu", enable_memory_saver=False)
@@ -244,10 +244,12 @@ def engine_side(target: str, batch: int, prompts: int, length: int, page: int, r
                 cache.stores.wait_idle(1.0)
             after = (getattr(cache, "rpcs", 0), *((cache.lookups.rpcs, cache.stores.rpcs) if backend else (0, 0)))
             steps.append(tuple(a - b for a, b in zip(after, before)))
-            cache.evict(EvictParams(num_tokens=cache.evictable_size()))  # room for the next step's prompts
+            cache.evict(EvictParams(num_tokens=RadixCache.evictable_size(cache)))  # room for the next step's
+            # prompts: the tree emptied (the backend's spare slots for copies ahead stay)
             step += 1
             yield None  # (the paired run's step next)
         loaded = getattr(cache, "loaded_tokens", 0)
+        prefetched = getattr(cache, "prefetched_tokens", 0)
         if backend:
             cache.settle()
             cache.shutdown()
@@ -259,7 +261,7 @@ def engine_side(target: str, batch: int, prompts: int, length: int, page: int, r
                    nocopy_p50_us=c[len(c) // 2] * 1e6,
                    max_rpcs=max(x[0] for x in steps), mean_rpcs=float(np.mean([x[0] for x in steps])),
                    max_bg=max(x[1] + x[2] for x in steps), mean_bg=float(np.mean([x[1] + x[2] for x in steps])),
-                   loaded=loaded, phases_us={k: v / prompts * 1e6 for k, v in phases.items()})
+                   loaded=loaded, prefetched=prefetched, phases_us={k: v / prompts * 1e6 for k, v in phases.items()})
 
     from sglang.srt.runtime_context import publish
     from sglang.srt.server_args import ServerArgs
@@ -301,11 +303,13 @@ def main() -> None:
                     help="MB the untimed forward streams through the CPU's caches each step (0: none)")
     ap.add_argument("--decode-steps", type=int, default=1,
                     help="steps a request runs after its prefill step (0: the engine is idle when the next arrive)")
+    ap.add_argument("--pool-tokens", type=int, default=65536,
+                    help="SGLang's KV pool, in tokens (at least twice what the batch's live requests take)")
     ap.add_argument("--engine", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.engine:
         print(json.dumps(engine_side(args.engine, int(args.batches), args.prompts, args.length, args.page,
-                                     args.repeats, args.forward_mb, args.decode_steps)))
+                                     args.repeats, args.forward_mb, args.decode_steps, args.pool_tokens)))
         return
     sys.path.insert(0, str(ROOT))
     from tests.conftest import ServerProc
@@ -313,7 +317,7 @@ def main() -> None:
     results: dict[str, float] = {}
     print(f"{'batch':>5} {'mode':>5} {'p50 us':>8} {'p99 us':>8} {'busy p50':>8} {'SGLang alone p50':>16} "
           f"{'extra p50':>9} {'busy extra':>10} "
-          f"{'rpcs/step max':>13} {'mean':>5} {'background rpcs/step max':>24} {'mean':>5} {'loaded':>7}")
+          f"{'rpcs/step max':>13} {'mean':>5} {'background rpcs/step max':>24} {'mean':>5} {'loaded':>7} {'prefetched':>10}")
     for batch in [int(x) for x in args.batches.split(",")]:
         prompts = max(args.prompts, 4 * batch)  # several steps at every batch size
         srv = ServerProc("--num-slots", str(3 * prompts * (args.length + args.page)), "--page-size",
@@ -323,7 +327,7 @@ def main() -> None:
             r = subprocess.run([py, __file__, "--engine", srv.target, "--batches", str(batch), "--prompts",
                                 str(prompts), "--length", str(args.length), "--page", str(args.page), "--repeats",
                                 str(args.repeats), "--forward-mb", str(args.forward_mb),
-                                "--decode-steps", str(args.decode_steps)],
+                                "--decode-steps", str(args.decode_steps), "--pool-tokens", str(args.pool_tokens)],
                                capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ""}, timeout=1800)
         finally:
             srv.stop()
@@ -345,7 +349,7 @@ def main() -> None:
             mx_bg, mean_bg = max(x["max_bg"] for x in ms), statistics.mean(x["mean_bg"] for x in ms)
             print(f"{batch:5d} {mode:>5} {p50:8.0f} {p99:8.0f} {busy:8.0f} {base:16.0f} {extra:9.0f} "
                   f"{busy_extra:10.0f} "
-                  f"{mx:13d} {mean:5.2f} {mx_bg:24d} {mean_bg:5.2f} {min(x['loaded'] for x in ms):7d}")
+                  f"{mx:13d} {mean:5.2f} {mx_bg:24d} {mean_bg:5.2f} {min(x['loaded'] for x in ms):7d} {min(x['prefetched'] for x in ms):10d}")
             results[f"sched_p50_us_{mode}_{batch}"] = p50
             results[f"extra_p50_us_{mode}_{batch}"] = extra
             results[f"busy_extra_p50_us_{mode}_{batch}"] = busy_extra

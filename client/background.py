@@ -84,8 +84,15 @@ class Lookups:
     key; a lookup given up on is released when it lands."""
 
     def __init__(self, client: CacheClient, load_back: bool, stores: "Stores", hybrid: bool = False,
-                 linger: float = 0.001, hand_over: bool = False, firsts: int = 0):
+                 linger: float = 0.001, hand_over: bool = False, firsts: int = 0,
+                 prefetch: Optional[Callable[[np.ndarray], Any]] = None,
+                 unfetch: Optional[Callable[[Any], None]] = None):
         self.client, self.load_back, self.stores = client, load_back, stores
+        # `prefetch(prefix)`, here, for a hit submitted with prefetch=True: the engine's own copy of the pages it
+        # will load (its slots, filled), kept in `fetched` under the key until taken; `unfetch` gets one back that
+        # nobody will take (the lookup dropped)
+        self.prefetch, self.unfetch = prefetch, unfetch
+        self.fetched: dict[Hashable, Any] = {}
         self.hybrid = hybrid  # a hybrid model's server: results are (FULL slots, receipt, SWA twins, state slot)
         # work done here rather than on the scheduler thread, which runs cache-cold after each forward:
         # `hand_over` gives each landed lock to `stores` (held under the lookup's key) before its result is taken;
@@ -106,10 +113,11 @@ class Lookups:
         self._thread.start()
 
     def submit(self, rid: Hashable, tokens: Any, ns: dict[str, str], load_back: Optional[bool] = None,
-               upto: Optional[int] = None) -> None:
+               upto: Optional[int] = None, prefetch: bool = False) -> None:
         """Look the tokens up (locking what matched); `load_back` overrides the default for this key. With `upto`,
-        only tokens[:upto], cut on the lookup thread (tokens may grow at the end meanwhile, never change)."""
-        self._inbox.post((rid, tokens, ns, self.load_back if load_back is None else load_back, upto))
+        only tokens[:upto], cut on the lookup thread (tokens may grow at the end meanwhile, never change). With
+        `prefetch`, a hit is also handed to the `prefetch` hook before its result is posted."""
+        self._inbox.post((rid, tokens, ns, self.load_back if load_back is None else load_back, upto, prefetch))
 
     def take(self, rid: Hashable, wait: float = 0.0) -> Optional[tuple[np.ndarray, int]]:
         """The lookup's result, waiting up to `wait` seconds for it (a wait releases the GIL, so the lookup
@@ -132,6 +140,9 @@ class Lookups:
             done = self._done.pop(rid, None)
             if done is None:
                 self._dropped.add(rid)
+            fetched = self.fetched.pop(rid, None)
+        if fetched is not None:
+            self.unfetch(fetched)
         if done is not None and self.hand_over:
             self.stores.release(rid)
         elif done is not None:
@@ -149,11 +160,13 @@ class Lookups:
             with self._cv:
                 self._busy = True  # before the queue empties: idle() never sees neither
                 batch = inbox.drain()
-            results, failed = {}, []
+            results, failed, fetched = {}, [], {}
             try:
                 results, failed = self._lookup(batch)
                 if self.firsts:
                     results = {rid: res + (res[0][::self.firsts].tolist(),) for rid, res in results.items()}
+                if self.prefetch is not None:
+                    fetched = self._prefetch(batch, results)
             finally:
                 with self._cv:
                     late = []
@@ -161,7 +174,11 @@ class Lookups:
                         if rid in self._dropped:
                             self._dropped.discard(rid)
                             late.append(res[1])
+                            if rid in fetched:
+                                self.unfetch(fetched.pop(rid))
                             continue
+                        if rid in fetched:  # (before the result: whoever takes the result finds it)
+                            self.fetched[rid] = fetched.pop(rid)
                         if self.hand_over and res[1]:
                             self.stores.hold(rid, res[0], res[1])
                         self._done[rid] = res
@@ -170,12 +187,30 @@ class Lookups:
                     self._busy = False
                     self._cv.notify_all()
 
+    def _prefetch(self, batch: list, results: dict) -> dict[Hashable, Any]:
+        """The `prefetch` hook's copies of this round's hits that asked for one (a failed one is only a lost head
+        start: the engine loads the pages itself)."""
+        out = {}
+        for item in batch:
+            rid = item[0]
+            res = results.get(rid)
+            if not item[5] or res is None or not len(res[0]) or rid in self._dropped:
+                continue
+            try:
+                got = self.prefetch(res[0])
+            except Exception:
+                log.exception("radixd prefetch failed")
+                continue
+            if got is not None:
+                out[rid] = got
+        return out
+
     def _lookup(self, batch: list) -> tuple[dict[Hashable, tuple[np.ndarray, int]], list[int]]:
         """Each request's locked prefix (empty on a miss or an error), and receipts of loads that failed."""
         out: dict[Hashable, tuple[np.ndarray, int]] = {}
         failed_receipts: list[int] = []
         groups: dict[tuple, list] = {}
-        for rid, tokens, ns, lb, upto in batch:
+        for rid, tokens, ns, lb, upto, _ in batch:
             groups.setdefault(tuple(sorted(ns.items())), []).append((rid, tokens if upto is None else tokens[:upto], lb))
         for ns, items in groups.items():
             try:

@@ -511,6 +511,79 @@ def scenario_a_finished_hit_publishes_only_its_new_pages(c: CacheClient) -> None
     b.cache.shutdown()
 
 
+def scenario_a_queued_hit_is_copied_ahead_into_spare_slots(c: CacheClient) -> None:
+    """Built inside SGLang's scheduler (CPU), the backend keeps a stock of spare SGLang slots, taken at a step's end; the
+    lookup thread copies a queued request's hit into them as soon as radixd answers, so its load-back takes them
+    with no copy and no allocation on the scheduler thread (where SGLang holds the path's start itself, only the
+    rest), and SGLang's pool then holds the forward's K and V. The spare slots count as evictable (SGLang's leak
+    check: free + evictable + protected stays its capacity); one a request aborted before admission goes back to the
+    stock; an evict that empties the tree hands the stock back to SGLang's allocator."""
+    from radixd.sglang.backend import hook_scheduler
+    a, b = Engine(), Engine()
+    total = b.alloc.available_size()
+
+    def conserved() -> None:
+        have = b.alloc.available_size() + b.cache.evictable_size() + b.cache.protected_size()
+        assert have == total, (b.alloc.available_size(), b.cache.evictable_size(), b.cache.protected_size(), total)
+    rng = random.Random(time.time_ns())
+    prompts = [[rng.randrange(5000, 5999) for _ in range(24)] for _ in range(3)]
+    for i, p in enumerate(prompts):
+        publish(c, a, f"c{i}", p)
+
+    class Scheduler:  # the methods the backend wraps, as SGLang 0.5.23's Scheduler has them
+        def _add_request_to_queue(self, req, is_retracted: bool = False) -> None:
+            pass
+
+        def process_batch_result(self, batch, result) -> None:
+            pass
+    sched = Scheduler()
+    hook_scheduler(sched, b.cache)
+    assert b.cache.prefetch_tokens == 128 and b.cache._spare_tokens == 0  # (a quarter of this engine's 512)
+    sched.process_batch_result([], None)  # a step's end: the stock taken from SGLang's allocator
+    assert b.cache._spare_tokens == 128 and b.alloc.available_size() == total - 128
+    conserved()
+    copies = b.cache.native_copies
+    r1 = b.request("c1", prompts[0] + [3])
+    sched._add_request_to_queue(r1)
+    b.cache.lookups.wait_idle(30)
+    assert r1.cache_request_handle in b.cache.lookups.fetched, "radixd's answer came with no copy ahead"
+    assert b.cache.copies_ahead == 1 and len(b.cache._spare) == (128 - 24) // PAGE
+    conserved()
+    assert b.prefill(r1, len(prompts[0]) + 1, finish=True) == (0, 24)
+    assert b.cache.prefetched_tokens == 24 and not b.cache._pending and b.cache.native_copies == copies, \
+        "the load-back copied on the scheduler thread"
+    engine_holds_the_forwards_kv(b, prompts[0])
+    head = b.request("c2h", prompts[1][:9])  # SGLang holds the first two pages of the next prompt itself
+    b.prefill(head, 9, finish=True)
+    b.release(head)
+    b.cache.settle()
+    spare = b.cache._spare_tokens
+    r2 = b.request("c2", prompts[1] + [3])
+    sched._add_request_to_queue(r2)
+    b.cache.lookups.wait_idle(30)
+    assert r2.cache_request_handle in b.cache.lookups.fetched
+    assert b.prefill(r2, len(prompts[1]) + 1, finish=True) == (8, 16)  # the rest loaded from the copy ahead
+    assert b.cache.prefetched_tokens == 40 and b.cache._spare_tokens == spare - 16
+    assert len(b.cache._spare) * PAGE == b.cache._spare_tokens, "the unused head did not go back to the stock"
+    engine_holds_the_forwards_kv(b, prompts[1])
+    r3 = b.request("c3", prompts[2] + [3])
+    sched._add_request_to_queue(r3)
+    b.cache.lookups.wait_idle(30)
+    assert r3.cache_request_handle in b.cache.lookups.fetched
+    b.cache.release_aborted_request(r3.cache_request_handle)  # aborted in the queue: its copy ahead back to the stock
+    assert len(b.cache._spare) * PAGE == b.cache._spare_tokens and not b.cache._fetches
+    for r in (r1, r2):
+        b.release(r)
+    sched.process_batch_result([], None)
+    b.cache.settle()
+    conserved()
+    b.cache.evict(EvictParams(num_tokens=b.cache.evictable_size()))  # the tree emptied, and the stock with it
+    assert b.cache._spare_tokens == 0 and b.alloc.available_size() == total
+    settled(c, a, b)
+    a.cache.shutdown()
+    b.cache.shutdown()
+
+
 def scenario_a_stopped_radixd_costs_a_miss_at_the_deadline(c: CacheClient) -> None:
     """radixd stopped (SIGSTOP) while a request is queued: its match waits no longer than the deadline, reports
     no radixd hit, and the lookup's lock is released once radixd answers again."""

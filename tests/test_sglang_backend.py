@@ -23,7 +23,7 @@ SCENARIOS = ["two_engines_share_pages_byte_for_byte", "a_scheduler_step_publishe
              "cpu_copies_go_by_whole_pages_only", "pages_on_radixd_host_tier_are_loaded_back",
              "partial_hit_and_namespaces", "abort_and_unused_markers_release_radixd_locks",
              "a_lock_outlives_a_queued_load_back_copy", "a_request_whose_lookup_is_out_waits_in_the_queue",
-             "a_finished_hit_publishes_only_its_new_pages",
+             "a_finished_hit_publishes_only_its_new_pages", "a_queued_hit_is_copied_ahead_into_spare_slots",
              "same_matches_as_sglang_alone", "overridden_signatures_match_sglang",
              "a_stopped_radixd_costs_a_miss_at_the_deadline",
              "tensor_parallel_ranks_share_their_heads", "a_hybrid_model_is_refused_at_engine_start_in_one_line"]

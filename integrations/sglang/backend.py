@@ -153,6 +153,15 @@ def attached(cache: RadixCache, node: Any) -> bool:
     return True
 
 
+@dataclass(slots=True, eq=False)
+class _Fetch:
+    """A queued request's hit copied ahead by the lookup thread, into SGLang slots of the backend's spare stock (CPU):
+    its load-back then takes the slots as they are, with no copy and no allocation on the scheduler thread."""
+
+    slots: np.ndarray  # SGLang slots (int64) holding radixd's prefix[:len(slots)], root first
+    gen: int  # the stock's generation (a reset hands every slot back to SGLang)
+
+
 @dataclass(slots=True)
 class _Marker:
     """From a match that found pages in radixd to its init_load_back: the lock and where the pages are."""
@@ -161,6 +170,20 @@ class _Marker:
     path: np.ndarray  # radixd device slots of the matched path, root first
     key: RadixKey  # snapshot of the matched key (the request's own key keeps growing)
     device_len: int  # SGLang's device prefix at match time
+    fetch: Optional[_Fetch] = None  # the path's pages copied ahead, if they were
+
+
+class _PathSlots:
+    """A finished request's pinned path, as SGLang's nodes hold its slots (leaf first): joined and cut to its whole
+    pages only where they are read, on the store thread (a torch.cat on the cache-cold scheduler thread cost ~10 us)."""
+
+    __slots__ = ("values", "n")
+
+    def __init__(self, values: list, n: int):
+        self.values, self.n = values, n
+
+    def __getitem__(self, at: slice) -> torch.Tensor:
+        return torch.cat(self.values[::-1])[:self.n][at]
 
 
 class _CopyJob:
@@ -219,7 +242,7 @@ class _Plan:
 
     sid: int
     node: Any
-    src: torch.Tensor  # SGLang slots of the whole pages, root first
+    src: Any  # SGLang slots of the whole pages, root first (a tensor, or `_PathSlots`)
     tokens: Any  # (SGLang's ids, as looked up)
     ns: dict
     asked: float
@@ -243,14 +266,19 @@ class _Hold:
     tokens: Any
     prefix: np.ndarray
     receipt: int
+    fetch: Optional[_Fetch] = None  # its prefix copied ahead into spare SGLang slots (until a load-back takes them)
 
 
 class RadixdRadixCache(RadixCache):
     """SGLang RadixCache with radixd behind it (see the module docstring)."""
 
+    _spare_tokens = 0  # (read by evictable_size, which SGLang's constructor may call before ours ran)
+    prefetch_tokens = 0
+
     def __init__(self, params: "CacheInitParams", tp_size: int = 1, tp_rank: int = 0, tp_group: Any = None,
                  target: Optional[str] = None, token: Optional[str] = None, load_back: bool = True,
-                 lookup_deadline_ms: float = 200, slot_stock_tokens: int = 65536, local_index: bool = True):
+                 lookup_deadline_ms: float = 200, slot_stock_tokens: int = 65536, local_index: bool = True,
+                 prefetch_tokens: int = 16384):
         super().__init__(params)
         if tp_size > 1 and tp_group is None:
             raise ValueError("radixd backend: tensor parallelism needs the TP group (broadcast_object, barrier)")
@@ -310,10 +338,27 @@ class RadixdRadixCache(RadixCache):
         self._plans: list[_Plan] = []
         self._sid = 0
         self.stepped = False  # hooked: each step ends in end_step, which drains (match and checkpoint need not)
+        # prefetch (CPU, one rank, whole-page native copies): a stock of spare SGLang slots, taken from its allocator
+        # on the scheduler thread at the end of a step (never when that would squeeze the engine; a quarter of its
+        # pool at most), into which the lookup thread copies a queued request's hit as soon as radixd answers, while
+        # the engine runs its forward; the spare slots count as evictable (SGLang's admission and its leak check
+        # see them) and an evict hands them back first
+        self.prefetch_tokens = min(prefetch_tokens, self.token_to_kv_pool_allocator.size // 4) \
+            if self._native is not None else 0
+        self._spare: deque[int] = deque()  # spare pages (SGLang page numbers) not copied into
+        self._fetches: dict[int, _Fetch] = {}  # copied-ahead hits no load-back took yet (id -> fetch)
+        # (the two threads share the stock and `_fetches` by single deque and dict calls, atomic under the GIL; only
+        # the lookup thread's copy ahead and the scheduler's reclaim take pages out, each holding `_copying`)
+        self._copying = threading.Lock()
+        self._spare_tokens = 0  # SGLang slots the backend holds: the stock and the fetches (scheduler thread only)
+        self._gen = 0
+        self.prefetched_tokens = 0  # load-back tokens that a copy ahead served (tests and benchmarks)
+        self.copies_ahead = 0  # copies ahead made (by the lookup thread only)
         if self.asynchronous:
             self.stores = Stores(self.client, self.page_size, slot_stock_tokens, capacity=info["capacity_tokens"],
                                  prime=slot_stock_tokens // 4)
-            self.lookups = Lookups(self.client, load_back, self.stores)
+            self.lookups = Lookups(self.client, load_back, self.stores,
+                                   prefetch=self._prefetch if self.prefetch_tokens else None, unfetch=self._unfetch)
             self.stores.first = self.lookups
         self.index: Optional[LocalIndex] = None  # misses answered with no round trip (radixd with --kv-events)
         if self.asynchronous and local_index and not info["storage"]:  # no event names an L3 tier's pages
@@ -394,6 +439,7 @@ class RadixdRadixCache(RadixCache):
             for h in list(self._asked) + list(self._holds):
                 self._forget(h)
             self._missed.clear()
+            self._drop_spare()  # (SGLang's reset frees every slot of its allocator, the spare ones too)
         super().reset()
 
     def settle(self) -> None:
@@ -420,6 +466,7 @@ class RadixdRadixCache(RadixCache):
         if self.asynchronous:
             self.lookups.close()
             self.stores.close()
+        self._reclaim(self._spare_tokens)  # the spare slots back to SGLang's allocator
         self._rows = self._native = None  # (views and addresses of the pools about to be unmapped)
         self.pools.close()
         self.client.close()
@@ -454,7 +501,7 @@ class RadixdRadixCache(RadixCache):
         if handle in self._asked or handle in self._holds:
             self._forget(handle)
         self._asked[handle] = _Asked(tokens, time.monotonic(), req)
-        self.lookups.submit(handle, tokens, ns)
+        self.lookups.submit(handle, tokens, ns, prefetch=req is not None and self.prefetch_tokens > 0)
 
     def _forget(self, handle: Any) -> None:
         """The request is done with radixd: its lookup's lock goes (when it lands, if it is still out)."""
@@ -462,6 +509,7 @@ class RadixdRadixCache(RadixCache):
             self.lookups.drop(handle)
         hold = self._holds.pop(handle, None)
         if hold is not None:
+            self._unfetch(hold.fetch)
             self._unlock_after_load(handle, hold.receipt)
 
     def _unlock_after_load(self, handle: Any, receipt: int) -> None:
@@ -483,8 +531,10 @@ class RadixdRadixCache(RadixCache):
                 del self._asked[handle]
                 old = self._holds.pop(handle, None)
                 if old is not None:
+                    self._unfetch(old.fetch)
                     self._unlock_after_load(handle, old.receipt)
-                self._holds[handle] = _Hold(asked.tokens, res[0], res[1])  # (Lookups' slots: int64 already)
+                fetch = self.lookups.fetched.pop(handle, None) if self.prefetch_tokens else None
+                self._holds[handle] = _Hold(asked.tokens, res[0], res[1], fetch)  # (Lookups' slots: int64 already)
         return self._holds.get(handle)
 
     def hold_back(self, waiting: list, busy: bool) -> Optional[tuple[list, list]]:
@@ -547,7 +597,8 @@ class RadixdRadixCache(RadixCache):
         hit = len(path) - device_len
         # the ids in the scheduler's own type (array('q')), a copy (page_aligned copies unless pages are single tokens)
         snap = key if key is not params.key else key[:len(key)]
-        self._markers[req.cache_request_handle] = _Marker(receipt, path, snap, device_len)
+        hold = self._holds.get(handle) if self._fetches else None
+        self._markers[handle] = _Marker(receipt, path, snap, device_len, hold.fetch if hold is not None else None)
         node = base.last_device_node
         return base._replace(last_host_node=node, best_match_node=node, host_hit_length=hit)
 
@@ -611,7 +662,11 @@ class RadixdRadixCache(RadixCache):
             n = params.host_hit_length
             if n <= 0 or marker.device_len + n > len(marker.path) or not attached(self, last):
                 return 0, last  # (a node evicted since the match: its prefix is gone, so is the hit)
-            slots = self.token_to_kv_pool_allocator.alloc(n)  # (None, taking nothing, when short)
+            end = marker.device_len + n
+            slots = self._fetched(marker.fetch, marker.device_len, end) if marker.fetch is not None else None
+            fetched = slots is not None  # (copied ahead: no allocation, no copy here)
+            if slots is None:
+                slots = self.token_to_kv_pool_allocator.alloc(n)  # (None, taking nothing, when short)
             if slots is None:
                 self.inc_lock_ref(last)  # making room must not evict the prefix the pages continue
                 try:
@@ -628,7 +683,6 @@ class RadixdRadixCache(RadixCache):
                 if self.cuda:
                     torch.cuda.current_stream().synchronize()
                 self._barrier()
-            end = marker.device_len + n
             value = torch.cat([self.path_device_indices(last)[:marker.device_len].to(torch.int64), dst]) \
                 if marker.device_len else dst
             r = self.insert(InsertParams(key=marker.key if end == len(marker.key) else marker.key[:end], value=value,
@@ -636,7 +690,9 @@ class RadixdRadixCache(RadixCache):
             dup = min(max(r.prefix_len - marker.device_len, 0), n)
             if dup:  # inserted meanwhile by this engine: our slots there are duplicates
                 self.token_to_kv_pool_allocator.free(dst[:dup])
-            if self.asynchronous and dup < n:  # (the lock stays with the request's hold until the copy read it)
+            if fetched:
+                self.prefetched_tokens += n
+            elif self.asynchronous and dup < n:  # (the lock stays with the request's hold until the copy read it)
                 self._load(req.cache_request_handle, at[dup:], dst[dup:])
             self.loaded_tokens += n
             return n, r.last_device_node
@@ -694,6 +750,104 @@ class RadixdRadixCache(RadixCache):
                 self.k[i].index_copy_(0, dst, self.rk[i].index_select(0, src)[:, sh])
                 self.v[i].index_copy_(0, dst, self.rv[i].index_select(0, src)[:, sh])
 
+    # ------------------------------------------------------------- prefetch
+    def _prefetch(self, prefix: np.ndarray) -> Optional[_Fetch]:
+        """Lookup thread: a queued request's hit copied into spare SGLang slots now (the GIL let go), or None when the
+        stock is short."""
+        page = self.page_size
+        k = len(prefix) // page
+        spare = self._spare
+        with self._copying:
+            if not k or len(spare) < k:
+                return None
+            pages = [spare.popleft() for _ in range(k)]
+            slots = (np.array(pages, dtype=np.int64)[:, None] * page + _offsets(page)).ravel()
+            if not _copy_pages_native(self._native[0], prefix[:k * page], slots, page, nogil=True):
+                spare.extend(pages)
+                return None
+            f = _Fetch(slots, self._gen)
+            self._fetches[id(f)] = f
+            self.copies_ahead += 1
+            return f
+
+    def _unfetch(self, f: Optional[_Fetch]) -> None:
+        """A copied-ahead hit nobody will load: its slots back into the stock."""
+        if f is not None and self._fetches.pop(id(f), None) is f and f.gen == self._gen:
+            self._spare.extend((f.slots[::self.page_size] // self.page_size).tolist())
+
+    def _fetched(self, f: _Fetch, start: int, end: int) -> Optional[torch.Tensor]:
+        """The copied-ahead slots of the path's tokens [start, end) for a load-back (the rest back into the stock), or
+        None when the fetch is gone (reclaimed by an evict) or short."""
+        slots = f.slots
+        if end > len(slots) or self._fetches.pop(id(f), None) is not f or f.gen != self._gen:
+            return None
+        if start or end < len(slots):  # (SGLang had the start of the path itself, or matched less of it)
+            page = self.page_size
+            rest = slots[::page] // page
+            self._spare.extend(rest[:start // page].tolist() + rest[end // page:].tolist())
+            slots = slots[start:end]
+        self._spare_tokens -= end - start
+        return torch.from_numpy(slots)
+
+    def _restock(self) -> None:
+        """End of a step: the spare stock topped up from SGLang's allocator once it fell under half (one allocation for
+        several hits). A full pool gives up its least recently used cached pages for it, as long as the engine keeps
+        at least as much room again (free or evictable); otherwise the stock waits."""
+        want = self.prefetch_tokens - self._spare_tokens
+        if want < self.prefetch_tokens // 2 or not want:
+            return
+        want -= want % self.page_size
+        alloc = self.token_to_kv_pool_allocator
+        if want <= 0:
+            return
+        free = alloc.available_size()
+        if free + super().evictable_size() < 2 * want:
+            return
+        if free < want:
+            RadixCache.evict(self, EvictParams(num_tokens=want - free))
+            if alloc.available_size() < want:
+                return
+        slots = alloc.alloc(want)
+        if slots is None:
+            return
+        self._spare.extend((slots.numpy()[::self.page_size] // self.page_size).tolist())
+        self._spare_tokens += want
+
+    def _reclaim(self, want: int) -> int:
+        """Up to `want` spare tokens (whole pages) back to SGLang's allocator: the stock first, then copied-ahead hits no
+        load-back took yet (their requests load the usual way); returns the tokens given back."""
+        if want <= 0 or not self._spare_tokens:
+            return 0
+        page = self.page_size
+        with self._copying:  # (a copy ahead in flight lands first)
+            pages = []
+            while self._spare and len(pages) * page < want:
+                pages.append(self._spare.popleft())
+            freed = [np.array(pages, dtype=np.int64)[:, None] * page + _offsets(page)] if pages else []
+            got = len(pages) * page
+            for key in list(self._fetches):
+                if got >= want:
+                    break
+                f = self._fetches.pop(key, None)  # (one given back by the lookup thread meanwhile is in the stock)
+                if f is not None:
+                    freed.append(f.slots)
+                    got += len(f.slots)
+        if freed:
+            self.token_to_kv_pool_allocator.free(torch.from_numpy(np.concatenate([x.ravel() for x in freed])))
+        self._spare_tokens -= got
+        return got
+
+    def _drop_spare(self) -> None:
+        """SGLang's allocator is being reset: every spare slot is its again, and a copy ahead in flight is void."""
+        with self._copying:
+            self._gen += 1
+            self._spare.clear()
+            self._fetches.clear()
+        self._spare_tokens = 0
+
+    def evictable_size(self) -> int:
+        return super().evictable_size() + self._spare_tokens
+
     # ------------------------------------------------------------ checkpoint
     def checkpoint(self, req, *, up_to: int) -> None:
         """SGLang's own checkpoint; a finished request's new whole pages also go to radixd."""
@@ -703,17 +857,27 @@ class RadixdRadixCache(RadixCache):
                 self._drain()
             return
         node = req.last_node
-        indices = self.path_device_indices(node)
-        if indices.dtype != torch.int64:  # (SGLang's are; a no-op conversion is a dispatch on a cold thread)
-            indices = indices.to(torch.int64)
-        n = len(indices) - len(indices) % self.page_size
+        if self.asynchronous and not self.cuda:  # (the path's slots as its nodes hold them: joined on the store thread)
+            values, total, x, root = [], 0, node, self.root_node
+            while x is not root:
+                values.append(x.value)
+                total += len(x.value)
+                x = x.parent
+            n = total - total % self.page_size
+            indices = _PathSlots(values, n)
+        else:
+            indices = self.path_device_indices(node)
+            if indices.dtype != torch.int64:  # (SGLang's are; a no-op conversion is a dispatch on a cold thread)
+                indices = indices.to(torch.int64)
+            n = len(indices) - len(indices) % self.page_size
         if n == 0:
             if not self.stepped:
                 self._drain()
             return
         ns = dict(extra_key=req.extra_key or "", cache_salt=req.cache_salt or "")
         if self.asynchronous:
-            self._checkpoint_async(req.cache_request_handle, node, indices[:n], req.full_untruncated_fill_ids[:n], ns)
+            self._checkpoint_async(req.cache_request_handle, node, indices if not self.cuda else indices[:n],
+                                   req.full_untruncated_fill_ids[:n], ns)
             return
         tokens = _ids(req.full_untruncated_fill_ids[:n])
         plan, item = None, None
@@ -734,7 +898,7 @@ class RadixdRadixCache(RadixCache):
         if self.lead:
             self._publish(item)
 
-    def _checkpoint_async(self, handle: Any, node: Any, src: torch.Tensor, raw: Any, ns: dict) -> None:
+    def _checkpoint_async(self, handle: Any, node: Any, src: Any, raw: Any, ns: dict) -> None:
         """A finished request's store, handed to the store thread once radixd's prefix is known (its lookup's hold,
         or a miss; else when the lookup started here lands): that thread converts the ids, takes slots, copies and
         publishes, and the scheduler only pins the source pages until the copy is over."""
@@ -749,6 +913,7 @@ class RadixdRadixCache(RadixCache):
         key = ("store", self._sid)
         if hold is not None:  # attach to what its lookup locked (the store thread checks that they agree; its copy
             del self._holds[handle]  # follows any load-back copy, as `after` does)
+            self._unfetch(hold.fetch)
             self._loading.pop(handle, None)
             self._hand_over(key, raw, hold.prefix, hold.receipt, ns, job, node, hold.tokens)
         elif handle in self._missed or self._known_miss(raw, ns):  # radixd has none of it (when it was queued, or
@@ -848,7 +1013,10 @@ class RadixdRadixCache(RadixCache):
     def evict(self, params: EvictParams) -> EvictResult:
         self._flush_loads()  # (no slot freed and reused with a copy into it still pending)
         self._drain(wait=self.token_to_kv_pool_allocator.available_size() < params.num_tokens)
-        return super().evict(params)
+        r = super().evict(params)
+        if r.num_tokens_evicted < params.num_tokens and self._spare_tokens:  # the tree ran dry: the spare slots too
+            r.num_tokens_evicted += self._reclaim(params.num_tokens - r.num_tokens_evicted)
+        return r
 
     def check_hicache_events(self) -> None:
         self._drain()
@@ -859,6 +1027,8 @@ class RadixdRadixCache(RadixCache):
         if self.asynchronous:
             self._drain()
             self.stores.flush()
+            if self.prefetch_tokens:
+                self._restock()
 
     def on_release(self, req, *, checkpointed: bool) -> None:
         super().on_release(req, checkpointed=checkpointed)
