@@ -98,6 +98,16 @@ class Engine:
                 torch.stack([self.kv.v_buffer[i][idx] for i in range(LAYERS)]))
 
 
+class BareScheduler:
+    """The two methods the backend wraps on SGLang 0.5.23's Scheduler, doing nothing else (a scenario steps it)."""
+
+    def _add_request_to_queue(self, req, is_retracted: bool = False) -> None:
+        pass
+
+    def process_batch_result(self, batch, result) -> None:
+        pass
+
+
 def _key(req: Req) -> RadixKey:
     """The key SGLang's scheduler matches a queued request with (all ids, limited to all but the last)."""
     ids = req.full_untruncated_fill_ids
@@ -483,14 +493,7 @@ def scenario_a_finished_hit_publishes_only_its_new_pages(c: CacheClient) -> None
     prompt = [rng.randrange(9000, 9999) for _ in range(24)]
     publish(c, a, "p", prompt)
     more = prompt + [rng.randrange(9000, 9999) for _ in range(9)]  # two more whole pages, and one token
-
-    class Scheduler:  # the methods the backend wraps, as SGLang 0.5.23's Scheduler has them
-        def _add_request_to_queue(self, req, is_retracted: bool = False) -> None:
-            pass
-
-        def process_batch_result(self, batch, result) -> None:
-            pass
-    sched = Scheduler()
+    sched = BareScheduler()
     hook_scheduler(sched, b.cache)
     published: list[dict] = []
     send = b.cache.client.cache_finished
@@ -529,14 +532,7 @@ def scenario_a_queued_hit_is_copied_ahead_into_spare_slots(c: CacheClient) -> No
     prompts = [[rng.randrange(5000, 5999) for _ in range(24)] for _ in range(3)]
     for i, p in enumerate(prompts):
         publish(c, a, f"c{i}", p)
-
-    class Scheduler:  # the methods the backend wraps, as SGLang 0.5.23's Scheduler has them
-        def _add_request_to_queue(self, req, is_retracted: bool = False) -> None:
-            pass
-
-        def process_batch_result(self, batch, result) -> None:
-            pass
-    sched = Scheduler()
+    sched = BareScheduler()
     hook_scheduler(sched, b.cache)
     assert b.cache.prefetch_tokens == 128 and b.cache._spare_tokens == 0  # (a quarter of this engine's 512)
     sched.process_batch_result([], None)  # a step's end: the stock taken from SGLang's allocator

@@ -13,6 +13,10 @@ engine on the node shares (one radixd session per engine: a dead engine loses it
   match_prefix     SGLang's own match, then radixd's answer: the queued lookup's (waited for, up to the deadline,
                    only where no pass held it back), or one started now; what radixd has beyond SGLang's device
                    prefix is reported as `host_hit_length`, so the scheduler calls init_load_back;
+  copy ahead       (CPU, one rank) a queued request's hit is copied by the lookup thread, as soon as radixd answers,
+                   into spare SGLang slots from a stock the backend takes from SGLang's allocator at a step's end
+                   (counted as evictable; an evict that empties the tree hands them back): its init_load_back then
+                   takes those slots, with no allocation and no copy on the scheduler thread;
   init_load_back   all or nothing: SGLang slots (evicting locally if short), the path inserted into SGLang's tree,
                    radixd's pages copied into SGLang's k_buffer / v_buffer: inside the hooked pass, with the pass's
                    other load-backs in one copy at its end (before the batch's forward, as HiCache starts a batch's
