@@ -516,9 +516,10 @@ def scenario_a_finished_hit_publishes_only_its_new_pages(c: CacheClient) -> None
 
 def scenario_a_queued_hit_is_copied_ahead_into_spare_slots(c: CacheClient) -> None:
     """Built inside SGLang's scheduler (CPU), the backend keeps a stock of spare SGLang slots, taken at a step's end; the
-    lookup thread copies a queued request's hit into them as soon as radixd answers, so its load-back takes them
-    with no copy and no allocation on the scheduler thread (where SGLang holds the path's start itself, only the
-    rest), and SGLang's pool then holds the forward's K and V. The spare slots count as evictable (SGLang's leak
+    lookup thread copies a queued request's hit into them as soon as radixd answers; the admission pass puts them in
+    SGLang's tree as they are (its match then finds a device hit), or a load-back takes them (where SGLang holds the
+    path's start itself, only the rest): no copy and no allocation on the scheduler thread either way, and SGLang's
+    pool then holds the forward's K and V. The spare slots count as evictable (SGLang's leak
     check: free + evictable + protected stays its capacity); one a request aborted before admission goes back to the
     stock; an evict that empties the tree hands the stock back to SGLang's allocator."""
     from radixd.sglang.backend import hook_scheduler
@@ -545,9 +546,12 @@ def scenario_a_queued_hit_is_copied_ahead_into_spare_slots(c: CacheClient) -> No
     assert r1.cache_request_handle in b.cache.lookups.fetched, "radixd's answer came with no copy ahead"
     assert b.cache.copies_ahead == 1 and len(b.cache._spare) == (128 - 24) // PAGE
     conserved()
-    assert b.prefill(r1, len(prompts[0]) + 1, finish=True) == (0, 24)
-    assert b.cache.prefetched_tokens == 24 and not b.cache._pending and b.cache.native_copies == copies, \
-        "the load-back copied on the scheduler thread"
+    b.cache.admission([r1], True)  # the admission pass begins: the copy ahead goes into SGLang's tree as it is
+    b.cache.admitted()
+    assert b.cache.prefetched_tokens == 24 and b.cache._spare_tokens == 128 - 24
+    conserved()
+    assert b.prefill(r1, len(prompts[0]) + 1, finish=True) == (24, 0)  # SGLang's own match finds it on the device
+    assert not b.cache._pending and b.cache.native_copies == copies, "copied on the scheduler thread"
     engine_holds_the_forwards_kv(b, prompts[0])
     head = b.request("c2h", prompts[1][:9])  # SGLang holds the first two pages of the next prompt itself
     b.prefill(head, 9, finish=True)
@@ -558,7 +562,8 @@ def scenario_a_queued_hit_is_copied_ahead_into_spare_slots(c: CacheClient) -> No
     sched._add_request_to_queue(r2)
     b.cache.lookups.wait_idle(30)
     assert r2.cache_request_handle in b.cache.lookups.fetched
-    assert b.prefill(r2, len(prompts[1]) + 1, finish=True) == (8, 16)  # the rest loaded from the copy ahead
+    assert b.prefill(r2, len(prompts[1]) + 1, finish=True) == (8, 16)  # no admission hook: its load-back takes the
+    # rest from the copy ahead
     assert b.cache.prefetched_tokens == 40 and b.cache._spare_tokens == spare - 16
     assert len(b.cache._spare) * PAGE == b.cache._spare_tokens, "the unused head did not go back to the stock"
     engine_holds_the_forwards_kv(b, prompts[1])

@@ -705,10 +705,36 @@ class RadixdRadixCache(RadixCache):
 
     def admission(self, waiting: list, busy: bool) -> Optional[tuple[list, list]]:
         """The scheduler's admission pass begins: its load-backs are copied together when it ends (`admitted`), before
-        the batch's forward; returns `hold_back`'s answer."""
+        the batch's forward; the copied-ahead hits of the requests it may admit go into SGLang's tree first (SGLang's
+        own match then finds them on the device: no load-back); returns `hold_back`'s answer."""
         held = self.hold_back(waiting, busy) if self._asked else None
+        if self._fetches:
+            self._insert_fetched(waiting if held is None else held[0])
         self._admitting = True
         return held
+
+    def _insert_fetched(self, waiting: list) -> None:
+        """Each waiting request's copied-ahead hit inserted into SGLang's tree as it is (its pages stay evictable until
+        the request's match locks them; one evicted meanwhile is loaded back the usual way)."""
+        holds = self._holds
+        for r in waiting:
+            hold = holds.get(r.cache_request_handle)
+            f = hold.fetch if hold is not None else None
+            if f is None or type(hold.tokens) is not array:  # (ids SGLang's key takes as they are)
+                continue
+            hold.fetch = None
+            n = len(f.slots)
+            slots = self._fetched(f, 0, n) if n <= len(hold.tokens) else None
+            if slots is None:
+                self._unfetch(f)
+                continue
+            res = self.insert(InsertParams(key=RadixKey(hold.tokens[:n], r.extra_key, cache_salt=r.cache_salt),
+                                           value=slots))
+            dup = min(res.prefix_len, n)
+            if dup:  # (SGLang had the start of it already)
+                self.token_to_kv_pool_allocator.free(slots[:dup])
+            self.prefetched_tokens += n - dup
+            self.loaded_tokens += n - dup
 
     def admitted(self) -> None:
         """The admission pass ended: its load-backs copied, as one."""
@@ -808,6 +834,7 @@ class RadixdRadixCache(RadixCache):
         if free + super().evictable_size() < 2 * want:
             return
         if free < want:
+            self._flush_loads()  # (no slot freed with a copy into it still pending)
             RadixCache.evict(self, EvictParams(num_tokens=want - free))
             if alloc.available_size() < want:
                 return
