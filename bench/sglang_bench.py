@@ -30,6 +30,11 @@ time over it is what radixd adds to a hit SGLang would have served itself. The u
 `--forward-mb` through the CPU's caches, as a model's forward does (the scheduler's next calls run cache-cold, with or
 without the backend).
 
+`loaded`: tokens a run's hits took from radixd; `prefetched`: those the lookup thread had copied ahead into spare
+SGLang slots (CPU), which the admission pass put into SGLang's tree (no copy on the scheduler thread). SGLang's
+pool holds --pool-tokens (an engine's pool is far larger than what the batch's live requests take, and the
+backend's spare stock is at most a quarter of it).
+
 Last line: RESULT sched_p50_us_<mode>_<batch>=... extra_p50_us_<mode>_<batch>=... (over SGLang's own cache)
 busy_extra_p50_us_<mode>_<batch>=... (less idle waits) busy_extra_less_copy_p50_us_<mode>_<batch>=... (less the
 load-backs' KV copy too: the bytes a hit moves, which a GPU engine queues on its stream)

@@ -15,8 +15,9 @@ engine on the node shares (one radixd session per engine: a dead engine loses it
                    prefix is reported as `host_hit_length`, so the scheduler calls init_load_back;
   copy ahead       (CPU, one rank) a queued request's hit is copied by the lookup thread, as soon as radixd answers,
                    into spare SGLang slots from a stock the backend takes from SGLang's allocator at a step's end
-                   (counted as evictable; an evict that empties the tree hands them back): its init_load_back then
-                   takes those slots, with no allocation and no copy on the scheduler thread;
+                   (counted as evictable; an evict that empties the tree hands them back): the admission pass puts
+                   those slots into SGLang's tree as they are, so SGLang's own match finds the hit on the device (a
+                   load-back that comes first takes them instead): no allocation and no copy on the scheduler thread;
   init_load_back   all or nothing: SGLang slots (evicting locally if short), the path inserted into SGLang's tree,
                    radixd's pages copied into SGLang's k_buffer / v_buffer: inside the hooked pass, with the pass's
                    other load-backs in one copy at its end (before the batch's forward, as HiCache starts a batch's
