@@ -14,6 +14,13 @@ and a ratio of two times taken a few milliseconds apart cancels most of it. The 
 per-prompt ratios.
 Each engine first serves a short warm-up prompt, and each length one more (not timed); then --repeat
 distinct prompts per length are timed.
+Lead-ins (--lead-in, the default): in each turn an engine first serves a lead-in prompt of the same length (not
+timed: a miss everywhere but B, which radixd holds for), then its timed prompt. Work an engine leaves running
+after a request (the connector's stores and publishes, radixd's server, the events other engines follow) competes
+with whatever the machine runs next: without a lead-in that is the next engine's timed prompt (N follows A in
+two turns of three, C never did: N/C read 1.03-1.04 with radixd's traffic around it, and 0.99-1.02, median about
+1.007, with none: --calibrate --floor). With one, each timed prompt follows its own engine's lead-in, as an
+engine's requests follow each other, and the leftover work of the engine before lands on an untimed prompt.
 
 The scheduler's side: for each batch size in --batches, engines A (cold radixd, every request a miss that
 stores) and B (warm, every request a hit) serve --batch-prompts prompts of --batch-len tokens, that many
@@ -40,7 +47,8 @@ Last line: RESULT ttft_x_<len>=<C/B> ... miss_overhead_<len>=<A/C> ... sched_p50
 max_rpcs_per_step_<miss|hit>_<batch>=...
 
 --calibrate runs A without the connector too (and no B): its A/C (RESULT aa_<len>) is what two identical engines
-read in one run, so the spread of aa over runs is the bench's resolution for miss_overhead on the machine.
+read in one run, so the spread of aa over runs is the bench's resolution for miss_overhead on the machine. With
+--floor too, N runs beside them (floor_<len> N/C, floor_over_aa_<len> N/A): the floor against two engines alike.
 """
 from __future__ import annotations
 
@@ -54,6 +62,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Optional
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -195,6 +204,8 @@ def main() -> None:
                     help="engine N too, with a connector that does nothing (tests/vllm_null_connector.py): N/C is "
                          "vLLM's own cost of having a connector, A/N radixd's beyond it (RESULT floor_<len>, "
                          "over_floor_<len>)")
+    ap.add_argument("--lead-in", default="on", choices=["on", "off"],
+                    help="before each timed prompt, an untimed one on the same engine (see the docstring)")
     ap.add_argument("--calibrate", action="store_true",
                     help="engine A without the connector too (no B): A/C is then what two identical engines read, "
                          "the resolution of miss_overhead on this machine (RESULT aa_<len>)")
@@ -221,26 +232,35 @@ def _ttft(py: str, model: str, args, hybrid: bool, block: int, extra: tuple) -> 
     per = args.repeat + 1  # the first prompt of each length warms that shape up and is not counted
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in lengths for _ in range(per)]
     max_len = max(lengths) + 2 * block
-    srv = _server(args.cpus, "--num-slots", str(max(65536, 2 * sum(map(len, prompts)))), "--page-size", str(block),
+    srv = _server(args.cpus, "--num-slots", str(max(65536, (4 if args.lead_in == "on" else 2) * sum(map(len, prompts)))), "--page-size", str(block),
                      "--model-config", os.path.join(model, "config.json"), *extra)
     everything = [warm] + prompts
+    leads = args.lead_in == "on"
+    if leads:  # (a lead-in per prompt, same length, distinct: lead(i) is the index of prompt i's)
+        everything += [[rng.randrange(3, 512) for _ in range(len(p))] for p in prompts]
+
+    def lead(i: int) -> Optional[int]:
+        return len(prompts) + i if leads and 0 < i <= len(prompts) else None
     plain = "CA" if args.calibrate else "C"  # (--calibrate: A has no connector either, and there is no B)
-    floor = args.floor and not args.calibrate and not hybrid
+    floor = args.floor and not hybrid
     turns = ("CAN", "ANC", "NCA") if floor else ("AC", "CA")  # (each engine first, middle and last in turn)
     engines = {w: _Served(py, model, everything, "" if w in plain + "N" else srv.target, max_len, hybrid,
                           *(["--await-index"] if w == "B" and args.events == "on" else []),
                           *(["--null-connector"] if w == "N" else []),
                           *(["--extra", args.extra] if w not in plain + "N" else []))
-               for w in ("CA" if args.calibrate else "CAB" + ("N" if floor else ""))}
+               for w in ("CA" if args.calibrate else "CAB") + ("N" if floor else "")}
     times: dict[str, list[float]] = {w: [] for w in "CABN"}
     cached: list[int] = []
     try:
         for e in engines.values():
             e.ready()
         with CacheClient(srv.target, attach=False) as probe:
-            for i in range(len(everything) + 1):
-                if i < len(everything):
+            timed = 1 + len(prompts)  # (the warm-up and the timed prompts; the lead-ins follow them)
+            for i in range(timed + 1):
+                if i < timed:
                     for w in turns[i % len(turns)]:
+                        if lead(i) is not None:
+                            engines[w].run(lead(i))
                         got = engines[w].run(i)
                         times[w].append(got["seconds"])
                         if w == "C":
@@ -249,6 +269,8 @@ def _ttft(py: str, model: str, args, hybrid: bool, block: int, extra: tuple) -> 
                     engines["A"].run(0)
                 if i and not args.calibrate:  # B trails by a prompt, so that A's stores of it have landed
                     _await_stored(probe, everything[i - 1], block, hybrid)
+                    if lead(i) is not None and i < timed:
+                        engines["B"].run(lead(i))
                     got = engines["B"].run(i - 1)
                     assert got["tokens"] == prev, "a hit changed the output"
                     times["B"].append(got["seconds"])
@@ -268,6 +290,12 @@ def _ttft(py: str, model: str, args, hybrid: bool, block: int, extra: tuple) -> 
             results[f"aa_{n}"] = statistics.median(a / c for a, c in zip(ta, tc))
             print(f"{n:7d} {statistics.median(tc) * 1e3:13.1f} {statistics.median(ta) * 1e3:13.1f} "
                   f"{results[f'aa_{n}']:6.3f}")
+            if floor:  # (the connector floor beside the bench's resolution, in the same rotation)
+                tn = times["N"][sl]
+                results[f"floor_{n}"] = statistics.median(x / c for x, c in zip(tn, tc))
+                results[f"floor_over_aa_{n}"] = statistics.median(x / a for x, a in zip(tn, ta))
+                print(f"{'':7} N, a connector that does nothing: N/C {results[f'floor_{n}']:.3f}, N/A "
+                      f"{results[f'floor_over_aa_{n}']:.3f}")
         return results
     print(f"{'prompt':>7} {'C no conn ms':>13} {'A miss ms':>10} {'B hit ms':>9} {'B cached':>9} "
           f"{'TTFT C/B':>9} {'miss A/C':>9}   (medians of {args.repeat} prompts, of times and of per-prompt ratios)")

@@ -52,9 +52,9 @@ be in it yet: a lost hit, never a wrong load, as a hit is always looked up and l
 Configure with `kv_connector_extra_config`: `radixd_target` (default `$RADIXD_TARGET` or the default
 socket), `radixd_token`, `load_back` (default true), `lookup_deadline_ms` (default 200),
 `slot_stock_tokens` (the most slots held ready for stores, default 8192), `local_index` (default true),
-`async_save` (default false, see RadixdConnector.__init__; on this project's 2-core CPU bench/vllm_bench.py reads a
-miss at 1024 tokens 1.005-1.076x the engine without a connector with it, median 1.035, and 1.019-1.056x without,
-median 1.030, in eight alternated pairs: with the copy queue it no longer gains on CPU).
+`async_save` (default false, see RadixdConnector.__init__; on this project's 2-core CPU bench/vllm_bench.py, each
+engine's requests following one another, reads a miss at 1024 tokens 1.069x and 1.075x the engine without a
+connector with it, and 1.062-1.119x (median 1.079, 11 runs) without: with the copy queue it no longer gains on CPU).
 """
 from __future__ import annotations
 
