@@ -34,8 +34,12 @@ connector's lookup thread (MatchPrefix, LoadBack).
                                [--arch nemotron-h] [--floor]
 
 CPU layout (--cpus): "split" (the default) runs every engine, C included, with one OpenMP thread fewer than the
-machine has CPUs, and pins radixd to the last CPU: the deployment vLLM's CPU backend recommends (cores kept
-for everything beside the forward, VLLM_CPU_NUM_OF_RESERVED_CPU). "shared" leaves vLLM's defaults: on 2 CPUs
+machine has CPUs, bound to the CPUs but the last as vLLM's CPU executor binds a worker's (OMP_PLACES,
+OMP_PROC_BIND: the engine's own thread is the forward's first), and pins radixd to the last CPU: the deployment
+vLLM's CPU backend recommends (cores kept for everything beside the forward, VLLM_CPU_NUM_OF_RESERVED_CPU). The
+connector then runs its threads (and gRPC's) on the CPUs the forward is not bound to (`radixd_cpus`, "auto").
+"loose" is split with nothing but radixd bound (the kernel places the forward and the connector's threads).
+"shared" leaves vLLM's defaults: on 2 CPUs
 its second OpenMP thread was measured spinning on 93% of a CPU while the engine served hits, so radixd's server
 and the connector's threads run against the forward or the spin. The layout is printed with the results.
 
@@ -80,17 +84,22 @@ _ENGINE_ENV: dict[str, str] = {}  # the engines' OpenMP threads (--cpus)
 def _layout(how: str) -> str:
     """Set the engines' OpenMP threads for --cpus; what the run uses, in words."""
     cpus = sorted(os.sched_getaffinity(0))
-    if how == "split" and len(cpus) > 1:
+    if how in ("split", "loose") and len(cpus) > 1:
         _ENGINE_ENV["OMP_NUM_THREADS"] = str(len(cpus) - 1)
-        return f"split: engines with {len(cpus) - 1} OpenMP threads, radixd pinned to CPU {cpus[-1]}"
+        if how == "loose":
+            return f"loose: engines with {len(cpus) - 1} OpenMP threads, unbound; radixd pinned to CPU {cpus[-1]}"
+        forward = ",".join(map(str, cpus[:-1]))  # (one place of them all, as vLLM's configure_omp_envs writes it)
+        _ENGINE_ENV.update(OMP_PLACES="{" + forward + "}", OMP_PROC_BIND="true")
+        return f"split: engines with {len(cpus) - 1} OpenMP threads bound to CPUs {forward}, radixd pinned to CPU " \
+               f"{cpus[-1]}"
     return f"shared: vLLM's default threads on {len(cpus)} CPUs, radixd unpinned"
 
 
 def _server(how: str, *args: str) -> ServerProc:
-    """A radixd server, pinned (every thread) to the last CPU under --cpus split."""
+    """A radixd server, pinned (every thread) to the last CPU under --cpus split or loose."""
     srv = ServerProc(*args)
     cpus = sorted(os.sched_getaffinity(0))
-    if how == "split" and len(cpus) > 1:
+    if how in ("split", "loose") and len(cpus) > 1:
         for tid in os.listdir(f"/proc/{srv.proc.pid}/task"):
             os.sched_setaffinity(int(tid), {cpus[-1]})
     return srv
@@ -194,8 +203,8 @@ def main() -> None:
     ap.add_argument("--arch", default="llama", choices=["llama", "nemotron-h"])
     ap.add_argument("--mamba-chunk", type=int, default=0, help="radixd's --mamba-chunk (nemotron-h): tokens between "
                                                                "published states (0: the config's chunk_size)")
-    ap.add_argument("--cpus", default="split", choices=["split", "shared"],
-                    help="split: engines get one OpenMP thread fewer than the CPUs, radixd the last CPU (see above)")
+    ap.add_argument("--cpus", default="split", choices=["split", "loose", "shared"],
+                    help="split: engines get one OpenMP thread fewer than the CPUs, bound; radixd the last CPU (see above)")
     ap.add_argument("--extra", default="{}", help="more kv_connector_extra_config for engines A and B (JSON), e.g. "
                                                   "'{\"local_index\": false}' or '{\"async_save\": true}'")
     ap.add_argument("--events", default="on", choices=["on", "off"],

@@ -12,6 +12,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -54,12 +55,12 @@ def _server(model_dir: str) -> ServerProc:
 
 
 def _engine(model_dir: str, prompts: list[list[int]], target: str = "", multiprocess: bool = False,
-            max_tokens: int = 8, check: bool = True, popen: bool = False, extra: tuple = ()):
+            max_tokens: int = 8, check: bool = True, popen: bool = False, extra: tuple = (), env: Optional[dict] = None):
     d = tempfile.mkdtemp(prefix="radixd-vllm-run-")
     pj, oj = os.path.join(d, "prompts.json"), os.path.join(d, "out.json")
     json.dump(prompts, open(pj, "w"))
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0",
-           "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": ""}
+           "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": "", **(env or {})}
     cmd = [VLLM_PY, str(ENGINE), model_dir, pj, oj, "--max-tokens", str(max_tokens)] + \
         (["--radixd", target] if target else []) + list(extra)
     log = open(os.path.join(d, "engine.log"), "w+")
@@ -164,6 +165,72 @@ def test_a_miss_makes_no_round_trip_when_radixd_publishes_events(model_dir, refe
             _settled(c)
     finally:
         srv.stop()
+
+
+TWO_CPUS = len(os.sched_getaffinity(0)) >= 2
+
+
+@needs_vllm
+@pytest.mark.skipif(not TWO_CPUS, reason="one CPU: there is no CPU beside the forward's")
+def test_the_connectors_threads_run_off_the_cpus_vllm_binds_its_forward_to(model_dir, reference):
+    """vLLM's CPU executor binds a worker's OpenMP threads (OMP_PLACES, OMP_PROC_BIND), the engine's own thread
+    first, and every thread inherits its creator's CPUs. Bound so here (in-process), the engine's thread stays on
+    the forward's CPU while the connector's threads (store, lookup, the events' index) and gRPC's own run on the
+    others, as the kernel reports them; the output is unchanged. `radixd_cpus` names them instead."""
+    first = min(os.sched_getaffinity(0))
+    bound = {"OMP_NUM_THREADS": "1", "OMP_PLACES": "{%d}" % first, "OMP_PROC_BIND": "true"}
+    ours = ("radixd-stores", "radixd-lookups", "blockindex-radixd", "event_engine", "grpc_global_tim")
+    srv = ServerProc("--num-slots", "8192", "--page-size", str(BLOCK), "--model-config",
+                     os.path.join(model_dir, "config.json"), "--kv-events")
+    d = tempfile.mkdtemp(prefix="radixd-vllm-cpus-")
+    try:
+        out = _engine(model_dir, [P], srv.target, env=bound, extra=["--stats", f"{d}/auto.json"])
+        cpus = json.load(open(f"{d}/auto.json"))["cpus"]
+        assert cpus["main"] == [first], cpus
+        for name in ours:
+            assert cpus.get(name) and first not in cpus[name], (name, cpus)
+        assert out[0]["tokens"] == reference[2]["tokens"]
+        other = max(os.sched_getaffinity(0))
+        hit = _engine(model_dir, [P + SUFFIX], srv.target, env=bound,
+                extra=["--stats", f"{d}/named.json", "--extra", json.dumps({"radixd_cpus": str(other)})])
+        cpus = json.load(open(f"{d}/named.json"))["cpus"]
+        assert cpus["main"] == [first] and all(cpus[name] == [other] for name in ours), cpus
+        assert hit[0]["cached"] == 192 and hit[0]["tokens"] == reference[0]["tokens"]  # loaded from radixd
+        _engine(model_dir, [P], srv.target, env=bound,
+                extra=["--stats", f"{d}/all.json", "--extra", json.dumps({"radixd_cpus": "all"})])
+        cpus = json.load(open(f"{d}/all.json"))["cpus"]  # (the old way: they share the forward's CPU)
+        assert all(cpus[name] == [first] for name in ours), cpus
+    finally:
+        srv.stop()
+
+
+@needs_vllm
+def test_radixd_cpus_reads_the_forwards_binding_and_vllms_cpu_list():
+    """`helper_cpus` in vLLM's venv: a thread bound to a CPU gives the others; an unbound one, VLLM_CPU_OMP_THREADS_BIND's
+    complement (ranks' lists joined by '|'); nothing known, or "all", gives None (no binding); a list is taken as it
+    is."""
+    code = """
+import json, os, sys
+from radixd.vllm.connector import helper_cpus
+every = set(range(os.cpu_count()))
+out = {"named": sorted(helper_cpus("0,2-3")), "all": helper_cpus("all"), "free": helper_cpus("auto")}
+os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+out["env"] = sorted(helper_cpus("auto") or [])
+os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+out["nobind"] = helper_cpus("auto")
+os.sched_setaffinity(0, {0})
+out["bound"] = sorted(helper_cpus("auto") or [])
+out["every"] = sorted(every)
+print(json.dumps(out))
+"""
+    env = {**os.environ, "PYTHONPATH": ""}
+    env.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+    r = subprocess.run([VLLM_PY, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    every = set(out["every"])
+    assert out["named"] == [0, 2, 3] and out["all"] is None and out["free"] is None and out["nobind"] is None, out
+    assert out["env"] == sorted(every - {0, 1}) and out["bound"] == sorted(every - {0}), out
 
 
 @needs_vllm

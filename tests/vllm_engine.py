@@ -154,6 +154,7 @@ def main() -> None:
                                                    (sched.index is None or sched.index.current())):
             time.sleep(0.005)  # the last step's publishes land on the store thread, then their events in the index
         stats = scheduler_stats(connector)
+        stats["cpus"] = _thread_cpus()
         from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
         if has_kv_transfer_group():  # (in-process engine: the worker's connector is here too)
             from radixd.vllm.connector import worker_stats
@@ -164,6 +165,22 @@ def main() -> None:
     print("engine done", flush=True)
     sys.stdout.flush()
     os._exit(0)  # vLLM's background threads can hold the interpreter at exit
+
+
+def _thread_cpus() -> dict[str, list[int]]:
+    """Each thread's CPUs as the kernel has them, by Python's thread name (the main thread: "main") or the OS name
+    (gRPC's own threads), those of a name merged."""
+    import threading
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    names[threading.main_thread().native_id] = "main"
+    out: dict[str, set[int]] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            name = names.get(int(tid)) or open(f"/proc/self/task/{tid}/comm").read().strip()
+            out.setdefault(name, set()).update(os.sched_getaffinity(int(tid)))
+        except OSError:  # (a thread that ended meanwhile)
+            pass
+    return {k: sorted(v) for k, v in out.items()}
 
 
 def _results(rs: list, took: float) -> list[dict]:

@@ -189,10 +189,14 @@ class RadixdConnector(KVConnectorBase_V1):
         if tp != 1:
             raise ValueError(f"radixd connector: tensor_parallel_size {tp} is not supported yet (use 1)")
         self.groups = _group_kinds(kv_cache_config) if self.hma else ["full"]
+        self.cpus = helper_cpus(str(extra.get("radixd_cpus", "auto")), vllm_config)
+        if self.cpus:
+            log.info("radixd connector (%s): its threads run on CPUs %s", role.name.lower(),
+                     ",".join(map(str, sorted(self.cpus))))
         self._sched: Optional[_Scheduler] = None
         self._worker: Optional[_Worker] = None
-        if role == KVConnectorRole.SCHEDULER:
-            self._sched = _Scheduler(self)
+        if role == KVConnectorRole.SCHEDULER:  # (its threads, and gRPC's if its is the first channel, off the forward)
+            self._sched = beside(self.cpus, lambda: _Scheduler(self))
         else:
             self._worker = _Worker(self)
 
@@ -716,15 +720,72 @@ class _Pairs:
                 torch.tensor(self._starts, dtype=torch.long, device=self._device))
 
 
-def _beside_the_forward(make: Any) -> Any:
-    """make(), its threads started on the CPUs this thread is not bound to (vLLM's CPU worker binds its forward's
-    OpenMP threads, the calling thread among them, and a thread inherits its creator's CPUs: a copy thread would
-    otherwise take turns with the forward on its own CPU instead of running beside it); on them all when this thread
-    may use every CPU."""
-    mine = os.sched_getaffinity(0)
-    others = set(range(os.cpu_count() or 1)) - mine
+def _cpu_list(text: str) -> set[int]:
+    """'0,3-5' -> {0, 3, 4, 5}: Linux's CPU list, as taskset -c and VLLM_CPU_OMP_THREADS_BIND write it."""
+    out: set[int] = set()
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def _vllm_forward_cpus(vllm_config: Optional["VllmConfig"]) -> set[int]:
+    """The CPUs vLLM binds its CPU workers' forwards to, as its multiprocess executor will compute them (its
+    VLLM_CPU_OMP_THREADS_BIND, "auto" by default); empty when it binds none (another platform or executor, nobind)."""
+    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    if bind not in ("auto", "nobind", ""):
+        return set().union(*(_cpu_list(s) for s in bind.split("|")))
+    if bind != "auto" or vllm_config is None or vllm_config.parallel_config.distributed_executor_backend != "mp":
+        return set()
     try:
-        os.sched_setaffinity(0, others or mine)
+        from vllm.platforms import current_platform
+        from vllm.utils.ompmultiprocessing import OMPProcessManager
+        if not current_platform.is_cpu():
+            return set()
+        return set().union(*map(set, OMPProcessManager(vllm_config).cpu_lists))
+    except Exception as e:  # (vLLM's helper moved, or the machine's topology is unreadable)
+        log.info("radixd connector: vLLM's CPU binding unknown (%s)", e)
+        return set()
+
+
+def helper_cpus(setting: str, vllm_config: Optional["VllmConfig"] = None) -> Optional[set[int]]:
+    """The CPUs for the connector's own threads and gRPC's (`radixd_cpus`): off the forward's, so that a publish, a
+    lookup or a copy does not take turns with the forward on its CPU. "auto": those the calling thread is not bound
+    to (vLLM's CPU worker binds its forward's OpenMP threads, OMP_PROC_BIND, the engine's thread among them, and a
+    thread inherits its creator's CPUs), else those vLLM's CPU binding leaves free (an engine core process beside
+    its workers); None (the system's choice) when nothing names the forward's CPUs or they are all of them. "all":
+    None. Else a CPU list ("3,6-7")."""
+    setting = setting.strip().lower()
+    if setting == "all":
+        return None
+    if setting != "auto":
+        return _cpu_list(setting) or None
+    every = set(range(os.cpu_count() or 1))
+    forward = os.sched_getaffinity(0)
+    if forward >= every:
+        forward = _vllm_forward_cpus(vllm_config)
+    if not forward:
+        return None
+    return (every - forward) or None
+
+
+def _bind(cpus: Optional[set[int]]) -> None:
+    """The calling thread on `cpus` from now on (None: left as it is)."""
+    if cpus:
+        try:
+            os.sched_setaffinity(0, cpus)
+        except OSError:  # (none of them allowed here)
+            pass
+
+
+def beside(cpus: Optional[set[int]], make: Any) -> Any:
+    """make(), the calling thread on `cpus` meanwhile: the threads it starts inherit them (gRPC starts its own with the
+    process's first channel)."""
+    if not cpus:
+        return make()
+    mine = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, cpus)
     except OSError:  # (none of them allowed here)
         return make()
     try:
@@ -789,13 +850,15 @@ class _Worker:
         self.geo = geometry(self.layers[0], self.conn.block_size)
         if self.geo.layout == "cpu":
             self.geo = _probe_cpu_kernel(self.geo, self.conn)
-        client = CacheClient(self.conn.target, token=self.conn.token, attach=False)
+        cpus = self.conn.cpus
+        client = beside(cpus, lambda: CacheClient(self.conn.target, token=self.conn.token, attach=False))
         try:
             info = client.info()
             self.pools = client.map_pools(self.layers[0].device)
         finally:
             client.close()
-        populate_in_background(self.pools.device + [p for p in (self.pools.swa, self.pools.state) if p is not None])
+        beside(cpus, lambda: populate_in_background(
+            self.pools.device + [p for p in (self.pools.swa, self.pools.state) if p is not None]))
         dev = self.pools.device[0]
         if self.conn.hma:
             self.plan = self._hybrid_plan(names, info)
@@ -815,14 +878,15 @@ class _Worker:
         # asynchronous stores get their own stream: a load (waited for) must not queue behind them
         self.save_stream = torch.cuda.Stream(device=dv) if dv.type == "cuda" and self.conn.async_save else None
         if self.stream is None and self.conn.async_save:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="radixd-save")
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="radixd-save",  # (its thread starts at its first job)
+                                            initializer=_bind, initargs=(cpus,))
         # CPU, a plain model whose every layer copies natively: stores run on a native thread (the copy queue), a layer
         # at a time beside the forward, each queued as soon as the forward has written the layer (save_kv_layer).
         # Loads stay here, before the forward: through the queue, layer by layer, a hit's TTFT measured worse (the
         # first layer has little forward to overlap, and the hand-over costs a wake)
         if CopyQueue is not None and not self.conn.hma and self.stream is None and self.views and \
                 all(v is not None and v.spec is not None for v in self.views):
-            self.queue = _beside_the_forward(CopyQueue)
+            self.queue = beside(self.conn.cpus, CopyQueue)
             self._spec_of = {name: v.spec for name, v in zip(names, self.views)}
             self._last_layer = names[-1]  # (the forward's last: names are in layer order)
 
