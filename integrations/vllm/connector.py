@@ -53,8 +53,11 @@ Configure with `kv_connector_extra_config`: `radixd_target` (default `$RADIXD_TA
 socket), `radixd_token`, `load_back` (default true), `lookup_deadline_ms` (default 200),
 `slot_stock_tokens` (the most slots held ready for stores, default 8192), `local_index` (default true),
 `async_save` (default false, see RadixdConnector.__init__; on this project's 2-core CPU bench/vllm_bench.py, each
-engine's requests following one another, reads a miss at 1024 tokens 1.069x and 1.075x the engine without a
-connector with it, and 1.062-1.119x (median 1.079, 11 runs) without: with the copy queue it no longer gains on CPU).
+engine's requests following one another, reads a miss at 1024 tokens 1.046x and 1.064x the engine without a
+connector with it, and 1.039-1.064x (median 1.051, 7 runs) without: with the copy queue it no longer gains on CPU),
+`radixd_cpus` (the CPUs of the connector's threads and gRPC's, default "auto": off the forward's, see `helper_cpus`;
+on that bench, the forward bound as vLLM's CPU executor binds it, a miss reads 1.160-1.180x with "all", which
+leaves them on the forward's CPU).
 """
 from __future__ import annotations
 
