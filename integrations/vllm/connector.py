@@ -732,6 +732,26 @@ def _cpu_list(text: str) -> set[int]:
     return out
 
 
+def _allowed_cpus() -> set[int]:
+    """The CPUs this process may run on at all: its cgroup's cpuset (a container's --cpuset-cpus), else every CPU."""
+    try:
+        for line in open("/proc/self/cgroup"):
+            _, ctrl, path = line.rstrip("\n").split(":", 2)
+            if ctrl == "":  # cgroup v2
+                where = f"/sys/fs/cgroup{path.rstrip('/')}/cpuset.cpus.effective"
+            elif "cpuset" in ctrl.split(","):
+                where = f"/sys/fs/cgroup/cpuset{path.rstrip('/')}/cpuset.effective_cpus"
+            else:
+                continue
+            if os.path.exists(where):
+                cpus = _cpu_list(open(where).read().strip())
+                if cpus:
+                    return cpus
+    except (OSError, ValueError):
+        pass
+    return set(range(os.cpu_count() or 1))
+
+
 def _vllm_forward_cpus(vllm_config: Optional["VllmConfig"]) -> set[int]:
     """The CPUs vLLM binds its CPU workers' forwards to, as its multiprocess executor will compute them (its
     VLLM_CPU_OMP_THREADS_BIND, "auto" by default); empty when it binds none (another platform or executor, nobind)."""
@@ -763,7 +783,7 @@ def helper_cpus(setting: str, vllm_config: Optional["VllmConfig"] = None) -> Opt
         return None
     if setting != "auto":
         return _cpu_list(setting) or None
-    every = set(range(os.cpu_count() or 1))
+    every = _allowed_cpus()
     forward = os.sched_getaffinity(0)
     if forward >= every:
         forward = _vllm_forward_cpus(vllm_config)
