@@ -11,13 +11,19 @@ machine's drift cancels). radixd runs pinned to the last CPU.
                  last, as the vLLM connector's `radixd_cpus` "auto" places them when vLLM binds the forward
   --call none    the store thread does its round but makes no call (no server work, no events): its own cost
   --stepped, --linger-ms   when the store thread's round starts (at once on a step's end; after a linger)
+  --relay        the calls and the events go through a relay process (radixd.client.relay, as the vLLM connector
+                 makes them by default): the index is then the relay's table of first pages in shared memory
 
 Read on this project's 2-core machine: unpinned 1.09-1.11 with the index, pinned 1.04-1.05, the round with no
 call 1.004-1.008 (so the rest is the call, radixd's work on the other CPU and the events). --linger-ms 0 read
 1.020-1.026 against 1.039-1.042, but the vLLM connector with no linger did not move bench/vllm_bench.py (1.056-1.069
 in 4 runs): a stand-in forward is a guide to where a cost is, not a measure of the engine's.
 
-    python bench/publish_interference_bench.py [--pin] [--index] [--call grpc|none] [--pairs 200] [--runs 3]
+With --relay (pinned, 3 runs each): 1.013-1.017 against 1.026-1.027 without the index, 1.017-1.021 against
+1.027-1.034 with it.
+
+    python bench/publish_interference_bench.py [--pin] [--index] [--relay] [--call grpc|none] [--pairs 200]
+                                               [--runs 3]
 
 Last line: RESULT publish_x=<median over runs of the per-run median ratio>.
 """
@@ -42,6 +48,7 @@ import torch  # noqa: E402
 from radixd.client import CacheClient  # noqa: E402
 from radixd.client.background import Stores  # noqa: E402
 from radixd.client.events import LocalIndex  # noqa: E402
+from radixd.client.relay import RelayedClient  # noqa: E402
 from tests.conftest import ServerProc  # noqa: E402
 
 PAGE, TOKENS = 32, 1024
@@ -67,7 +74,12 @@ def run(args: argparse.Namespace) -> float:
     try:
         for tid in os.listdir(f"/proc/{srv.proc.pid}/task"):
             os.sched_setaffinity(int(tid), {cpus[-1]})
-        client = CacheClient(srv.target)
+        if args.relay:  # (started from the last CPU: the relay process runs there)
+            os.sched_setaffinity(0, {cpus[-1]} if args.pin else ALL)
+            client = RelayedClient(srv.target)
+            os.sched_setaffinity(0, ALL)
+        else:
+            client = CacheClient(srv.target)
         stores = Stores(client, PAGE, 65536, capacity=1048576)
         stores.stepped, stores.linger = args.stepped, args.linger_ms / 1000
         index = LocalIndex(client, srv.target, PAGE) if args.index else None
@@ -118,13 +130,15 @@ def main() -> None:
     ap.add_argument("--stepped", action="store_true", help="the engine ends a step after posting (Stores.flush): "
                     "the round goes at once, with no linger")
     ap.add_argument("--linger-ms", type=float, default=2.0, help="the store thread's linger before a round (Stores)")
+    ap.add_argument("--relay", action="store_true", help="the calls (and the events) go through a relay process "
+                    "(radixd.client.relay), as the vLLM connector's `radixd_relay` makes them")
     ap.add_argument("--pairs", type=int, default=200)
     ap.add_argument("--runs", type=int, default=3)
     args = ap.parse_args()
     if len(os.sched_getaffinity(0)) < 2:
         sys.exit("needs 2 CPUs at least (the forward's and radixd's)")
     ratios = [run(args) for _ in range(args.runs)]
-    print(f"forward with a publish beside it / without (pin={args.pin}, index={args.index}, call={args.call}): "
+    print(f"forward with a publish beside it / without (pin={args.pin}, index={args.index}, call={args.call}, relay={args.relay}): "
           + ", ".join(f"{r:.3f}" for r in ratios))
     print(f"RESULT publish_x={statistics.median(ratios):.3f}")
 

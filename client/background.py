@@ -24,10 +24,15 @@ class Inbox:
     sleeping thread (a futex call) 35 us more, twice the rest of a hook. The thread polls every `tick` while work
     keeps coming and sleeps after `rest` seconds without any; a post then wakes it (that one call pays the wake).
     The tick is 5 ms: each poll takes the GIL, and against a Python-heavy CPU forward a 1 ms tick was measured
-    costing it 3%, 2 ms 0.7%, 5 ms under 0.1%. A waiter (an engine with nothing else to run) rings at once."""
+    costing it 3%, 2 ms 0.7%, 5 ms under 0.1%. A waiter (an engine with nothing else to run) rings at once.
+    Against vLLM's real CPU forward each poll costs more than that (it takes the GIL from the forward in mid-step,
+    and the forward's thread then waits to be woken): `poll=False` never polls (every post to a sleeping thread
+    wakes it: a thread whose work comes seldom, as lookups with a local index answering misses), and a longer `tick`
+    polls less (a thread whose work can wait, as publishes: bench/vllm_bench.py read a miss at 1k tokens 1.032x
+    with the vLLM store thread's tick at 20 ms, 1.041x at 5 ms, medians of 3 runs)."""
 
-    def __init__(self, tick: float = 0.005, rest: float = 1.0):
-        self.tick, self.rest = tick, rest
+    def __init__(self, tick: float = 0.005, rest: float = 1.0, poll: bool = True):
+        self.tick, self.rest, self.poll = tick, rest, poll
         self.items: deque = deque()
         self._bell = threading.Lock()
         self._bell.acquire()  # held: not rung
@@ -53,9 +58,11 @@ class Inbox:
 
     def wait(self, ready: Callable[[], bool]) -> None:
         """The thread's side: until ready(), polling each tick while work came within `rest`, else asleep until rung
-        (a post before `_asleep` is set is seen by the check after it; one after it rings)."""
+        (a post before `_asleep` is set is seen by the check after it; one after it rings); not polling, asleep
+        whenever there is nothing to do."""
         while not ready():
-            if time.monotonic() - self._last < self.rest or self.items:  # (work held back polls, never sleeps)
+            if self.poll and (time.monotonic() - self._last < self.rest or self.items):  # (work held back polls,
+                # never sleeps)
                 self._bell.acquire(timeout=self.tick)
                 continue
             self._asleep = True
@@ -86,7 +93,7 @@ class Lookups:
     def __init__(self, client: CacheClient, load_back: bool, stores: "Stores", hybrid: bool = False,
                  linger: float = 0.001, hand_over: bool = False, firsts: int = 0,
                  prefetch: Optional[Callable[[np.ndarray], Any]] = None,
-                 unfetch: Optional[Callable[[Any], None]] = None):
+                 unfetch: Optional[Callable[[Any], None]] = None, poll: bool = True):
         self.client, self.load_back, self.stores = client, load_back, stores
         # `prefetch(prefix)`, here, for a hit submitted with prefetch=True: the engine's own copy of the pages it
         # will load (its slots, filled), kept in `fetched` under the key until taken; `unfetch` gets one back that
@@ -103,7 +110,7 @@ class Lookups:
         self.linger = linger
         self._waiters = 0
         self._cv = threading.Condition()  # results, waiters and idleness; submissions go through the inbox
-        self._inbox = Inbox()  # (rid, tokens, namespace, load_back)
+        self._inbox = Inbox(poll=poll)  # (rid, tokens, namespace, load_back); poll=False: each submit wakes it
         self._done: dict[Hashable, tuple[np.ndarray, int]] = {}
         self._dropped: set[Hashable] = set()  # given up on while in flight: released once they land
         self._busy = False
@@ -287,7 +294,7 @@ class Stores:
     an Unlock."""
 
     def __init__(self, client: CacheClient, page: int, stock_max: int, linger: float = 0.002, hybrid: bool = False,
-                 states: int = 0, capacity: int = 0, prime: int = 0):
+                 states: int = 0, capacity: int = 0, prime: int = 0, tick: float = 0.005):
         self.client, self.page, self.stock_max, self.linger = client, page, stock_max, linger
         # the stock grows by doubling up to this: at most an eighth of the server (`capacity` tokens, 0: unknown),
         # so that slots held ready never crowd out the cache of a small server
@@ -300,7 +307,7 @@ class Stores:
         self._taken_states = 0
         self._mu = threading.Lock()
         self._cv = threading.Condition(self._mu)  # the stock and idleness; operations go through the inbox
-        self._inbox = Inbox()
+        self._inbox = Inbox(tick=tick)
         self._held: dict[Hashable, tuple[np.ndarray, int]] = {}  # rid -> (locked prefix slots, receipt)
         self.refused: set[Hashable] = set()  # requests whose publish failed: the scheduler stops storing them
         self._stock = np.zeros((0, page), np.int64)  # held radixd pages for stores, one row each

@@ -5,13 +5,15 @@ import logging
 import threading
 import time
 from collections import Counter
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import grpc
 
 from radixd.proto import cache_pb2 as pb
 from radixd.proto import cache_pb2_grpc as pb_grpc
 from radixd.server.tree.hashes import first_block_hash, token_block_hashes
+
+from .firsts import READY, STARTING, FirstPages
 
 MEDIA = ("GPU", "CPU_PINNED")
 log = logging.getLogger("radixd.events")
@@ -218,10 +220,12 @@ class BlockIndex:
 
     def follow_grpc(self, node: str, target: str, token: Optional[str] = None,
                     from_seq: Optional[int] = 0, snapshot: bool = False,
-                    channel: Optional[grpc.Channel] = None, retry_s: float = 1.0) -> threading.Thread:
+                    channel: Optional[grpc.Channel] = None, retry_s: float = 1.0,
+                    opener: Optional[Callable[[pb.WatchEventsRequest], Any]] = None) -> threading.Thread:
         """Follow a node over gRPC in a daemon thread: replaying from `from_seq`, or (snapshot) from the node's
         whole state, taken again whenever the stream breaks or reports a gap or a loss (`current` is false
-        until it is applied)."""
+        until it is applied). `opener` (snapshot only): what opens the stream instead of a channel of its own
+        (a relayed client's `watch_events`)."""
         if not snapshot:
             def run() -> None:
                 for batch in watch(target, from_seq, True, token, channel):
@@ -232,13 +236,17 @@ class BlockIndex:
             t = threading.Thread(target=run, daemon=True, name=f"blockindex-{node}")
             t.start()
             return t
-        ch = channel or grpc.insecure_channel(target if "://" in target else f"unix://{target}")
-        stub = pb_grpc.RadixCacheStub(ch)
-        meta = (("authorization", f"Bearer {token}"),) if token else ()
+        if opener is None:
+            ch = channel or grpc.insecure_channel(target if "://" in target else f"unix://{target}")
+            stub = pb_grpc.RadixCacheStub(ch)
+            meta = (("authorization", f"Bearer {token}"),) if token else ()
+
+            def opener(req: pb.WatchEventsRequest) -> Any:
+                return stub.WatchEvents(req, metadata=meta)
 
         def run() -> None:
             while not self._closed.is_set():
-                call = stub.WatchEvents(pb.WatchEventsRequest(follow=True, snapshot=True), metadata=meta)
+                call = opener(pb.WatchEventsRequest(follow=True, snapshot=True))
                 with self._lock:
                     self._calls.append(call)
                 try:
@@ -297,23 +305,42 @@ class LocalIndex:
 
     def __init__(self, client: Any, target: str, page_size: int, token: Optional[str] = None,
                  media: tuple[str, ...] = MEDIA, wait_s: float = 2.0):
-        self.client, self.media = client, media  # client: whose CacheUnfinished answers carry event_seq
+        self.client, self.media, self.page_size = client, media, page_size  # client: whose CacheUnfinished answers
+        # carry event_seq
+        self.misses = 0  # prompts answered here
+        self.index: Optional[BlockIndex] = None
+        self.firsts: Optional[FirstPages] = None
+        deadline = time.monotonic() + wait_s  # the snapshot, before the engine's first request (not on its path)
+        if hasattr(client, "first_pages"):  # a relayed client: its relay keeps the first pages in shared memory, and
+            # no thread of this process follows the events (each batch would take the GIL from the forward)
+            st = client.stats()  # (at most a first page per page the server can hold)
+            self.firsts = client.first_pages(media, (st["capacity_tokens"] + st["host_capacity_tokens"]) //
+                                             page_size + 1)
+            while self.firsts.state == STARTING and time.monotonic() < deadline:
+                time.sleep(0.005)
+            return
         self.index = BlockIndex(page_size)
         self.index.follow_grpc(self.NODE, target, token, snapshot=True)
-        self.misses = 0  # prompts answered here
-        deadline = time.monotonic() + wait_s  # the snapshot, before the engine's first request (not on its path)
         while not self.current() and time.monotonic() < deadline and any(t.is_alive() for t in self.index.threads):
             time.sleep(0.005)
 
     def current(self) -> bool:
+        if self.firsts is not None:
+            return self.firsts.state == READY and self.firsts.seen >= self.client.event_seq
         return self.index.current(self.NODE, self.client.event_seq)
 
     def known_miss(self, tokens: Any, cache_salt: str = "") -> bool:
         """True when radixd certainly holds nothing of `tokens` (any int sequence; counted in `misses`)."""
-        index = self.index
-        if len(tokens) < index.page_size:
+        if len(tokens) < self.page_size:
             return False
-        h = first_block_hash(tokens, index.page_size, cache_salt)
+        h = first_block_hash(tokens, self.page_size, cache_salt)
+        firsts = self.firsts
+        if firsts is not None:
+            if h in firsts or firsts.state != READY or firsts.seen < self.client.event_seq:
+                return False
+            self.misses += 1
+            return True
+        index = self.index
         # an engine asks this for every request, on a cache-cold thread: point reads of the index's dicts, each
         # atomic under the GIL, instead of two calls that each take its lock
         held = index._nodes.get(self.NODE)
@@ -329,4 +356,5 @@ class LocalIndex:
         return True
 
     def close(self) -> None:
-        self.index.close()
+        if self.index is not None:
+            self.index.close()

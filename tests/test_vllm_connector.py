@@ -175,31 +175,48 @@ TWO_CPUS = len(os.sched_getaffinity(0)) >= 2
 def test_the_connectors_threads_run_off_the_cpus_vllm_binds_its_forward_to(model_dir, reference):
     """vLLM's CPU executor binds a worker's OpenMP threads (OMP_PLACES, OMP_PROC_BIND), the engine's own thread
     first, and every thread inherits its creator's CPUs. Bound so here (in-process), the engine's thread stays on
-    the forward's CPU while the connector's threads (store, lookup, the events' index) and gRPC's own run on the
-    others, as the kernel reports them; the output is unchanged. `radixd_cpus` names them instead."""
+    the forward's CPU while the connector's threads (store, lookup) and its relay process (the session, the calls,
+    the events: gRPC's threads are there) run on the others, as the kernel reports them, and the engine's process
+    follows no events itself; the output is unchanged. Without the relay the events' index thread and gRPC's own
+    run off the forward's CPU too. `radixd_cpus` names the CPUs instead."""
     first = min(os.sched_getaffinity(0))
     bound = {"OMP_NUM_THREADS": "1", "OMP_PLACES": "{%d}" % first, "OMP_PROC_BIND": "true"}
-    ours = ("radixd-stores", "radixd-lookups", "blockindex-radixd", "event_engine", "grpc_global_tim")
+    ours = ("radixd-stores", "radixd-lookups")
+    grpcs = ("event_engine", "grpc_global_tim")
     srv = ServerProc("--num-slots", "8192", "--page-size", str(BLOCK), "--model-config",
                      os.path.join(model_dir, "config.json"), "--kv-events")
     d = tempfile.mkdtemp(prefix="radixd-vllm-cpus-")
     try:
         out = _engine(model_dir, [P], srv.target, env=bound, extra=["--stats", f"{d}/auto.json"])
-        cpus = json.load(open(f"{d}/auto.json"))["cpus"]
+        st = json.load(open(f"{d}/auto.json"))
+        cpus = st["cpus"]
         assert cpus["main"] == [first], cpus
         for name in ours:
             assert cpus.get(name) and first not in cpus[name], (name, cpus)
+        assert st["relay_pid"] and st["relay_cpus"] and first not in st["relay_cpus"], st
+        assert st["index_current"] and "blockindex-radixd" not in cpus, cpus  # (the relay follows the events)
+        assert all(first not in cpus.get(name, []) for name in grpcs), cpus  # (the worker's client's, if any)
         assert out[0]["tokens"] == reference[2]["tokens"]
         other = max(os.sched_getaffinity(0))
         hit = _engine(model_dir, [P + SUFFIX], srv.target, env=bound,
-                extra=["--stats", f"{d}/named.json", "--extra", json.dumps({"radixd_cpus": str(other)})])
-        cpus = json.load(open(f"{d}/named.json"))["cpus"]
+                      extra=["--stats", f"{d}/named.json", "--extra", json.dumps({"radixd_cpus": str(other)})])
+        st = json.load(open(f"{d}/named.json"))
+        cpus = st["cpus"]
         assert cpus["main"] == [first] and all(cpus[name] == [other] for name in ours), cpus
+        assert st["relay_cpus"] == [other], st
         assert hit[0]["cached"] == 192 and hit[0]["tokens"] == reference[0]["tokens"]  # loaded from radixd
         _engine(model_dir, [P], srv.target, env=bound,
+                extra=["--stats", f"{d}/direct.json", "--extra", json.dumps({"radixd_relay": False})])
+        st = json.load(open(f"{d}/direct.json"))
+        cpus = st["cpus"]  # (no relay: the index thread and gRPC's are in the engine, off the forward's CPU)
+        assert st["relay_pid"] is None and st["index_current"], st
+        for name in ours + ("blockindex-radixd",) + grpcs:
+            assert cpus.get(name) and first not in cpus[name], (name, cpus)
+        _engine(model_dir, [P], srv.target, env=bound,
                 extra=["--stats", f"{d}/all.json", "--extra", json.dumps({"radixd_cpus": "all"})])
-        cpus = json.load(open(f"{d}/all.json"))["cpus"]  # (the old way: they share the forward's CPU)
-        assert all(cpus[name] == [first] for name in ours), cpus
+        st = json.load(open(f"{d}/all.json"))
+        cpus = st["cpus"]  # (the old way: they share the forward's CPU)
+        assert all(cpus[name] == [first] for name in ours) and st["relay_cpus"] == [first], st
     finally:
         srv.stop()
 

@@ -155,6 +155,10 @@ def main() -> None:
             time.sleep(0.005)  # the last step's publishes land on the store thread, then their events in the index
         stats = scheduler_stats(connector)
         stats["cpus"] = _thread_cpus()
+        if stats["relay_pid"]:  # (the relay process: every thread of it, gRPC's included)
+            pid = stats["relay_pid"]
+            stats["relay_cpus"] = sorted({c for t in os.listdir(f"/proc/{pid}/task")
+                                          for c in os.sched_getaffinity(int(t))})
         from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
         if has_kv_transfer_group():  # (in-process engine: the worker's connector is here too)
             from radixd.vllm.connector import worker_stats

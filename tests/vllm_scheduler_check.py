@@ -38,7 +38,8 @@ def _until(cond, what: str, timeout: float = 10.0) -> None:
 def main() -> None:
     target, pid = sys.argv[1], int(sys.argv[2])
     conn = SimpleNamespace(block_size=PAGE, target=target, token=None, load_back=True, lookup_deadline=0.3,
-                           slot_stock=1024, hma=False, groups=["full"], local_index=True, async_save=True)
+                           slot_stock=1024, hma=False, groups=["full"], local_index=True, async_save=True,
+                           relay=True, store_tick=0.02)
     rng = np.random.default_rng(3)
     a = rng.integers(3, 500, 5 * PAGE + 7).tolist()
     b = rng.integers(3, 500, 3 * PAGE + 1).tolist()

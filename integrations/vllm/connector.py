@@ -44,20 +44,31 @@ that boundary (radixd keeps a copy), and a hit, which radixd ends where it has a
 the hit's last state block and into the block the step's forward runs on (vLLM filled that one from the hit's
 block before the connector's load). The lookup covers the prompt up to its last loadable page only. States are
 published every radixd `--mamba-chunk` tokens (rounded to whole blocks) and at the prompt's last block boundary.
+The relay (`radixd_relay`, default true): the scheduler side's session, its calls and the events stream live in a
+helper process (client/relay.py, started on the connector's CPUs); the engine's threads hand it each call's bytes
+over a socket of their own and wait without the GIL. gRPC's threads and the Python of each call and each events batch
+thus leave the engine's process, whose forward shares the GIL with every thread in it (each time another thread
+takes it mid-forward the forward's thread waits to be woken). The relay exits with the engine (its socket closes, or
+its parent is gone: checked twice a second), and its session with it. Where it cannot start, the connector calls
+radixd from its own process.
 The local index: with radixd started with --kv-events (and no L3 tier, whose pages no event names), the scheduler
-follows radixd's KV events (WatchEvents with a snapshot, on its own thread) into a BlockIndex of the pages radixd
-holds. It is used only while it is current: its snapshot applied, its stream live, and every batch up to this
-engine's own last store (CacheUnfinished's event_seq) applied. A page another engine stored a moment ago may not
-be in it yet: a lost hit, never a wrong load, as a hit is always looked up and locked by radixd itself.
+follows radixd's KV events (WatchEvents with a snapshot) into an index of the pages radixd holds: through the relay,
+the first pages only, kept by the relay in a hash table in shared memory (client/firsts.py) that the scheduler reads
+with no thread of its own; without it, a BlockIndex on a thread here. It is used only while it is current: its
+snapshot applied, its stream live, and every batch up to this engine's own last store (CacheUnfinished's event_seq)
+applied. A page another engine stored a moment ago may not be in it yet: a lost hit, never a wrong load, as a hit
+is always looked up and locked by radixd itself.
 Configure with `kv_connector_extra_config`: `radixd_target` (default `$RADIXD_TARGET` or the default
 socket), `radixd_token`, `load_back` (default true), `lookup_deadline_ms` (default 200),
 `slot_stock_tokens` (the most slots held ready for stores, default 8192), `local_index` (default true),
 `async_save` (default false, see RadixdConnector.__init__; on this project's 2-core CPU bench/vllm_bench.py, each
 engine's requests following one another, reads a miss at 1024 tokens 1.046x and 1.064x the engine without a
 connector with it, and 1.039-1.064x (median 1.051, 7 runs) without: with the copy queue it no longer gains on CPU),
-`radixd_cpus` (the CPUs of the connector's threads and gRPC's, default "auto": off the forward's, see `helper_cpus`;
-on that bench, the forward bound as vLLM's CPU executor binds it, a miss reads 1.160-1.180x with "all", which
-leaves them on the forward's CPU).
+`radixd_cpus` (the CPUs of the connector's threads, its relay and gRPC's, default "auto": off the forward's, see
+`helper_cpus`; on that bench, the forward bound as vLLM's CPU executor binds it, a miss read 1.160-1.180x with "all",
+which leaves them on the forward's CPU), `radixd_relay` (default true), `store_tick_ms` (how often the store thread
+looks for publishes and releases, default 20: each look takes the GIL from the forward; a publish waits up to that
+long, a lookup never does: its thread is woken when one is submitted).
 """
 from __future__ import annotations
 
@@ -79,7 +90,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                KVConnectorRole, KVConnectorWorkerMetadata,
                                                                SupportsHMA)
 
-from radixd.client import CacheClient, RadixdError
+from radixd.client import CacheClient, RadixdError, Unavailable
+from radixd.client.relay import RelayedClient
 from radixd.client.background import EMPTY, Lookups, Stores
 from radixd.client.events import MEDIA, LocalIndex
 from radixd.client.pools import populate_in_background
@@ -193,6 +205,12 @@ class RadixdConnector(KVConnectorBase_V1):
             raise ValueError(f"radixd connector: tensor_parallel_size {tp} is not supported yet (use 1)")
         self.groups = _group_kinds(kv_cache_config) if self.hma else ["full"]
         self.cpus = helper_cpus(str(extra.get("radixd_cpus", "auto")), vllm_config)
+        # the scheduler side's calls and events through a relay process: gRPC's threads and each call's Python out of
+        # the process whose forward shares the GIL with them
+        self.relay = str(extra.get("radixd_relay", "true")).lower() not in ("0", "false", "no")
+        # how often the store thread looks for publishes and releases: each look takes the GIL from the forward, and
+        # a publish can wait that long (another engine finds the pages that much later; this one has them in vLLM)
+        self.store_tick = float(extra.get("store_tick_ms", 20)) / 1000
         if self.cpus:
             log.info("radixd connector (%s): its threads run on CPUs %s", role.name.lower(),
                      ",".join(map(str, sorted(self.cpus))))
@@ -324,8 +342,10 @@ def scheduler_stats(connector: RadixdConnector) -> dict[str, Any]:
     """What a scheduler-side connector cost vLLM's scheduler thread: per finished request, and radixd calls per
     step (a function, not a method: every public method of the connector is one of vLLM's hooks)."""
     sched = connector._sched
+    relay = getattr(sched.client, "proc", None)
     return dict(sched.meter.summary(), local_misses=sched.index.misses if sched.index else 0,
-                lookup_rpcs=sched.lookups.rpcs, index_current=sched.index is not None and sched.index.current())
+                lookup_rpcs=sched.lookups.rpcs, index_current=sched.index is not None and sched.index.current(),
+                relay_pid=relay.pid if relay is not None else None)
 
 
 def worker_stats(connector: RadixdConnector) -> dict[str, Any]:
@@ -411,7 +431,7 @@ class _Scheduler:
     def __init__(self, conn: RadixdConnector):
         self.conn = conn
         self.page = conn.block_size
-        self.client = CacheClient(conn.target, token=conn.token, name=f"vllm-scheduler-{os.getpid()}")
+        self.client = _client(conn, f"vllm-scheduler-{os.getpid()}")
         info = self.client.info()
         if info["page_size"] != self.page:
             raise ValueError(f"radixd connector: radixd's page size {info['page_size']} != vLLM's block size "
@@ -432,10 +452,13 @@ class _Scheduler:
         self.hits = 0  # tokens loaded from radixd (for tests and logs)
         self.rpcs = 0  # calls made on the scheduler thread
         self.mamba = "mamba" in conn.groups  # state layers: every store carries the state as of its end
+        # each poll of these threads takes the GIL from the forward in mid-step: the lookup thread does not poll (a
+        # submitted lookup wakes it), and the store thread polls every `store_tick_ms`
         self.background = Stores(self.client, self.page, conn.slot_stock, hybrid=self.hybrid,
-                                 states=8 if self.mamba else 0, capacity=info["capacity_tokens"])
+                                 states=8 if self.mamba else 0, capacity=info["capacity_tokens"],
+                                 tick=conn.store_tick)
         self.lookups = Lookups(self.client, conn.load_back and not self.hybrid, self.background, hybrid=self.hybrid,
-                               hand_over=True, firsts=self.page)
+                               hand_over=True, firsts=self.page, poll=False)
         self.background.first = self.lookups
         self.meter = _Meter()
         self.index: Optional[LocalIndex] = None  # misses answered with no round trip (radixd with --kv-events)
@@ -665,6 +688,16 @@ class _Scheduler:
         self.lookups.close()
         self.background.close()
         self.client.close()
+
+
+def _client(conn: RadixdConnector, name: str) -> CacheClient:
+    """The scheduler side's client: relayed (`radixd_relay`), or a plain one where the relay cannot start."""
+    if conn.relay:
+        try:
+            return RelayedClient(conn.target, token=conn.token, name=name)
+        except Unavailable as e:
+            log.warning("radixd connector: no relay process (%s); calling radixd from this process", e)
+    return CacheClient(conn.target, token=conn.token, name=name)
 
 
 def _check_hybrid_server(info: dict, groups: list[str]) -> None:
