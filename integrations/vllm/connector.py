@@ -62,8 +62,9 @@ Configure with `kv_connector_extra_config`: `radixd_target` (default `$RADIXD_TA
 socket), `radixd_token`, `load_back` (default true), `lookup_deadline_ms` (default 200),
 `slot_stock_tokens` (the most slots held ready for stores, default 8192), `local_index` (default true),
 `async_save` (default false, see RadixdConnector.__init__; on this project's 2-core CPU bench/vllm_bench.py, each
-engine's requests following one another, reads a miss at 1024 tokens 1.046x and 1.064x the engine without a
-connector with it, and 1.039-1.064x (median 1.051, 7 runs) without: with the copy queue it no longer gains on CPU),
+engine's requests following one another, a miss at 1024 tokens read 1.044-1.061x the engine without a connector
+with it, 1.032-1.048x without, 4 runs each with the relay and a 5 ms store tick: with the copy queue it no longer
+gains on CPU; with the relay and the 20 ms tick, the defaults, 1.020-1.036x, median 1.026 over 7 runs),
 `radixd_cpus` (the CPUs of the connector's threads, its relay and gRPC's, default "auto": off the forward's, see
 `helper_cpus`; on that bench, the forward bound as vLLM's CPU executor binds it, a miss read 1.160-1.180x with "all",
 which leaves them on the forward's CPU), `radixd_relay` (default true), `store_tick_ms` (how often the store thread
