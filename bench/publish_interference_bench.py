@@ -19,8 +19,10 @@ call 1.004-1.008 (so the rest is the call, radixd's work on the other CPU and th
 1.020-1.026 against 1.039-1.042, but the vLLM connector with no linger did not move bench/vllm_bench.py (1.056-1.069
 in 4 runs): a stand-in forward is a guide to where a cost is, not a measure of the engine's.
 
-With --relay (pinned, 3 runs each): 1.013-1.017 against 1.026-1.027 without the index, 1.017-1.021 against
-1.027-1.034 with it.
+With --relay (pinned, 3 runs each): 1.013-1.017 against 1.026-1.027 without the index; with the index (then still
+a BlockIndex fed by the relayed stream, before the first-pages table) 1.017-1.021 against 1.027-1.034. The real
+engine moved more than this stand-in (bench/vllm_bench.py: 1.051 to 1.04 with the relay, to 1.026 with the store
+thread's poll every 20 ms instead of 5, which this stand-in, with no step around its forward, hardly sees).
 
     python bench/publish_interference_bench.py [--pin] [--index] [--relay] [--call grpc|none] [--pairs 200]
                                                [--runs 3]
