@@ -5,7 +5,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import grpc
 
@@ -220,12 +220,10 @@ class BlockIndex:
 
     def follow_grpc(self, node: str, target: str, token: Optional[str] = None,
                     from_seq: Optional[int] = 0, snapshot: bool = False,
-                    channel: Optional[grpc.Channel] = None, retry_s: float = 1.0,
-                    opener: Optional[Callable[[pb.WatchEventsRequest], Any]] = None) -> threading.Thread:
+                    channel: Optional[grpc.Channel] = None, retry_s: float = 1.0) -> threading.Thread:
         """Follow a node over gRPC in a daemon thread: replaying from `from_seq`, or (snapshot) from the node's
         whole state, taken again whenever the stream breaks or reports a gap or a loss (`current` is false
-        until it is applied). `opener` (snapshot only): what opens the stream instead of a channel of its own
-        (a relayed client's `watch_events`)."""
+        until it is applied)."""
         if not snapshot:
             def run() -> None:
                 for batch in watch(target, from_seq, True, token, channel):
@@ -236,17 +234,13 @@ class BlockIndex:
             t = threading.Thread(target=run, daemon=True, name=f"blockindex-{node}")
             t.start()
             return t
-        if opener is None:
-            ch = channel or grpc.insecure_channel(target if "://" in target else f"unix://{target}")
-            stub = pb_grpc.RadixCacheStub(ch)
-            meta = (("authorization", f"Bearer {token}"),) if token else ()
-
-            def opener(req: pb.WatchEventsRequest) -> Any:
-                return stub.WatchEvents(req, metadata=meta)
+        ch = channel or grpc.insecure_channel(target if "://" in target else f"unix://{target}")
+        stub = pb_grpc.RadixCacheStub(ch)
+        meta = (("authorization", f"Bearer {token}"),) if token else ()
 
         def run() -> None:
             while not self._closed.is_set():
-                call = opener(pb.WatchEventsRequest(follow=True, snapshot=True))
+                call = stub.WatchEvents(pb.WatchEventsRequest(follow=True, snapshot=True), metadata=meta)
                 with self._lock:
                     self._calls.append(call)
                 try:
