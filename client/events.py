@@ -156,9 +156,9 @@ class BlockIndex:
         with self._lock:
             return Counter(self._nodes.get(node, {}).get(medium if not group else f"{medium}/{group}", Counter()))
 
-    def match(self, tokens: Any, cache_salt: str = "") -> dict[str, dict[str, int]]:
+    def match(self, tokens: Any, cache_salt: str = "", extra_key: str = "") -> dict[str, dict[str, int]]:
         """Per node: leading blocks of `tokens` held on the device ("GPU"), and on either tier ("any")."""
-        hashes = token_block_hashes(tokens, self.page_size, cache_salt)
+        hashes = token_block_hashes(tokens, self.page_size, cache_salt, extra_key)
         out = {}
         with self._lock:
             for node, media in self._nodes.items():
@@ -167,19 +167,20 @@ class BlockIndex:
         return out
 
     def leading(self, node: str, tokens: Any, cache_salt: str = "", media: tuple[str, ...] = MEDIA,
-                pages: Optional[int] = None) -> int:
+                pages: Optional[int] = None, extra_key: str = "") -> int:
         """Leading whole pages of `tokens` (hashing at most `pages` of them) held by `node` on any of `media`."""
         n = len(tokens) // self.page_size if pages is None else min(pages, len(tokens) // self.page_size)
-        hashes = token_block_hashes(tokens[:n * self.page_size], self.page_size, cache_salt)
+        hashes = token_block_hashes(tokens[:n * self.page_size], self.page_size, cache_salt, extra_key)
         with self._lock:
             return _lead(hashes, [c for m, c in self._nodes.get(node, {}).items() if m in media])
 
-    def holds_first(self, node: str, tokens: Any, cache_salt: str = "", media: tuple[str, ...] = MEDIA) -> bool:
+    def holds_first(self, node: str, tokens: Any, cache_salt: str = "", media: tuple[str, ...] = MEDIA,
+                    extra_key: str = "") -> bool:
         """Whether `node` holds the first whole page of `tokens` on any of `media`: one page hashed, the check an
         engine makes on each request's arrival (`leading` does the same for any number of pages)."""
         if len(tokens) < self.page_size:
             return False
-        h = first_block_hash(tokens, self.page_size, cache_salt)
+        h = first_block_hash(tokens, self.page_size, cache_salt, extra_key)
         with self._lock:
             held = self._nodes.get(node, {})
             for m in media:
@@ -323,11 +324,12 @@ class LocalIndex:
             return self.firsts.state == READY and self.firsts.seen >= self.client.event_seq
         return self.index.current(self.NODE, self.client.event_seq)
 
-    def known_miss(self, tokens: Any, cache_salt: str = "") -> bool:
-        """True when radixd certainly holds nothing of `tokens` (any int sequence; counted in `misses`)."""
+    def known_miss(self, tokens: Any, cache_salt: str = "", extra_key: str = "") -> bool:
+        """True when radixd certainly holds nothing of `tokens` in the namespace (any int sequence; counted in
+        `misses`)."""
         if len(tokens) < self.page_size:
             return False
-        h = first_block_hash(tokens, self.page_size, cache_salt)
+        h = first_block_hash(tokens, self.page_size, cache_salt, extra_key)
         firsts = self.firsts
         if firsts is not None:
             if h in firsts or firsts.state != READY or firsts.seen < self.client.event_seq:

@@ -76,6 +76,16 @@ static int64_t block_hash(const unsigned char *d) {
     return (int64_t)v;
 }
 
+/* The published block hash of a digest: namespaced by its namespace's event seed when it has one (hashes.py). */
+static int64_t pub_hash(const unsigned char *seed, const unsigned char *d) {
+    if (!seed) return block_hash(d);
+    unsigned char buf[DIG + 8], out[DIG];
+    memcpy(buf, seed, DIG);
+    memcpy(buf + DIG, d, 8);
+    SHA256(buf, sizeof buf, out);
+    return block_hash(out);
+}
+
 /* ------------------------------------------------------------------ hashing jobs */
 typedef struct {
     PyObject *run;        /* borrowed from the records (kept alive by them) */
@@ -125,7 +135,7 @@ static int ensure(Ctx *c, PyObject *run, const unsigned char **res, Py_ssize_t *
     if (got) { Py_DECREF(id); *job = PyLong_AsSsize_t(got); return 0; }
     if (PyErr_Occurred()) { Py_DECREF(id); return -1; }
     PyObject *key = PyList_GET_ITEM(run, 1), *prior = PyList_GET_ITEM(run, 2), *fmt = PyList_GET_ITEM(run, 3);
-    if (!PyBytes_Check(key) || !PyTuple_Check(fmt) || PyTuple_GET_SIZE(fmt) != 2) {
+    if (!PyBytes_Check(key) || !PyTuple_Check(fmt) || PyTuple_GET_SIZE(fmt) < 2 || PyTuple_GET_SIZE(fmt) > 3) {
         Py_DECREF(id); PyErr_SetString(PyExc_TypeError, "bad unresolved digest run"); return -1;
     }
     Job j;
@@ -199,7 +209,8 @@ static void run_job(Ctx *c, Job *j) {
 }
 
 /* ------------------------------------------------------------------ events */
-typedef struct { const unsigned char *p; Py_ssize_t n; } Seg;   /* digests: n pages; tokens: n tokens */
+typedef struct { const unsigned char *p; Py_ssize_t n; const unsigned char *seed; } Seg;
+/* digests: n pages (seed: their namespace's event seed, NULL for none); tokens: n tokens */
 typedef struct {
     int kind;                        /* 0 stored, 1 removed, 2 cleared */
     Seg *d; Py_ssize_t nd, capd;     /* digest segments (resolved pointers, filled in phase 2) */
@@ -213,7 +224,8 @@ typedef struct {
 } Ev;
 
 /* Raw allocators throughout: segments are appended while the GIL is released too. -1: out of memory. */
-static int ev_seg(Ev *e, const unsigned char *res, Py_ssize_t job, Py_ssize_t lo, Py_ssize_t hi) {
+static int ev_seg(Ev *e, const unsigned char *res, Py_ssize_t job, Py_ssize_t lo, Py_ssize_t hi,
+                  const unsigned char *seed) {
     if (e->nd == e->capd) {
         Py_ssize_t cap = e->capd ? e->capd * 2 : 4;
         Seg *d = PyMem_RawRealloc(e->d, cap * sizeof(Seg));
@@ -226,6 +238,7 @@ static int ev_seg(Ev *e, const unsigned char *res, Py_ssize_t job, Py_ssize_t lo
     }
     e->d[e->nd].p = res ? res + lo * DIG : NULL;
     e->d[e->nd].n = hi - lo;
+    e->d[e->nd].seed = seed;
     e->dsrc[e->nd] = res ? -1 : job;
     e->dlo[e->nd] = lo;
     e->nd++;
@@ -234,12 +247,24 @@ static int ev_seg(Ev *e, const unsigned char *res, Py_ssize_t job, Py_ssize_t lo
 
 static void ev_free(Ev *e) { PyMem_RawFree(e->d); PyMem_RawFree(e->dsrc); PyMem_RawFree(e->dlo); PyMem_RawFree(e->t); }
 
-static int span_of(Ctx *c, PyObject *span, const unsigned char **res, Py_ssize_t *job, Py_ssize_t *lo, Py_ssize_t *hi) {
+static int span_of(Ctx *c, PyObject *span, const unsigned char **res, Py_ssize_t *job, Py_ssize_t *lo, Py_ssize_t *hi,
+                   const unsigned char **seed) {
     if (!PyTuple_Check(span) || PyTuple_GET_SIZE(span) != 3) { PyErr_SetString(PyExc_TypeError, "bad span"); return -1; }
     *lo = PyLong_AsSsize_t(PyTuple_GET_ITEM(span, 1));
     *hi = PyLong_AsSsize_t(PyTuple_GET_ITEM(span, 2));
     if (PyErr_Occurred()) return -1;
-    return ensure(c, PyTuple_GET_ITEM(span, 0), res, job, 0);
+    PyObject *run = PyTuple_GET_ITEM(span, 0);
+    if (ensure(c, run, res, job, 0) < 0) return -1;
+    *seed = NULL;  /* the run's fmt (page bytes, bigram[, event seed]) names its namespace's seed */
+    PyObject *fmt = PyList_GET_ITEM(run, 3);
+    if (PyTuple_Check(fmt) && PyTuple_GET_SIZE(fmt) == 3) {
+        PyObject *sd = PyTuple_GET_ITEM(fmt, 2);
+        if (sd != Py_None) {
+            if (!PyBytes_Check(sd) || PyBytes_GET_SIZE(sd) != DIG) { PyErr_SetString(PyExc_TypeError, "bad event seed"); return -1; }
+            *seed = (const unsigned char *)PyBytes_AS_STRING(sd);  /* alive: the records hold the run */
+        }
+    }
+    return 0;
 }
 
 static const unsigned char *digest_at(Ctx *c, Py_ssize_t src, const unsigned char *res, Py_ssize_t page) {
@@ -253,7 +278,7 @@ static void encode_events(Ctx *c, Ev *evs, Py_ssize_t n, double ts, Py_ssize_t p
         for (Py_ssize_t k = 0; k < e->nd; k++)
             if (e->dsrc[k] >= 0) e->d[k].p = c->jobs[e->dsrc[k]].out + e->dlo[k] * DIG;
         if (e->kind == 0 && e->has_parent)
-            e->parent = block_hash(digest_at(c, e->psrc, e->pres, e->plo));
+            e->parent = pub_hash(e->d[0].seed, digest_at(c, e->psrc, e->pres, e->plo));  /* one namespace */
     }
     Py_ssize_t out = 0;  /* evs[0..out) are the coalesced events */
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -266,7 +291,7 @@ static void encode_events(Ctx *c, Ev *evs, Py_ssize_t n, double ts, Py_ssize_t p
                 (tail->lora == NULL) == (e->lora == NULL) &&
                 (e->lora == NULL || (tail->llen == e->llen && !memcmp(tail->lora, e->lora, e->llen)))) {
             Seg last = tail->d[tail->nd - 1];
-            if (last.n > 0 && block_hash(last.p + (last.n - 1) * DIG) == e->parent) {
+            if (last.n > 0 && pub_hash(last.seed, last.p + (last.n - 1) * DIG) == e->parent) {
                 e->kind = -1;  /* merged into the tail below */
             }
         } else if (tail && e->kind == 1 && tail->kind == 1 && tail->mlen == e->mlen &&
@@ -277,7 +302,7 @@ static void encode_events(Ctx *c, Ev *evs, Py_ssize_t n, double ts, Py_ssize_t p
             int stored = e->kind == -1;
             for (Py_ssize_t k = 0; k < e->nd; k++) {
                 Seg s = e->d[k];
-                if (ev_seg(tail, s.p, -1, 0, s.n) < 0) { b->oom = 1; return; }
+                if (ev_seg(tail, s.p, -1, 0, s.n, s.seed) < 0) { b->oom = 1; return; }
             }
             if (stored) {
                 for (Py_ssize_t k = 0; k < e->nt; k++) {
@@ -313,7 +338,7 @@ static void encode_events(Ctx *c, Ev *evs, Py_ssize_t n, double ts, Py_ssize_t p
         mp_cstr(b, "block_hashes");
         mp_array(b, (size_t)pages);
         for (Py_ssize_t k = 0; k < e->nd; k++)
-            for (Py_ssize_t q = 0; q < e->d[k].n; q++) mp_int(b, block_hash(e->d[k].p + q * DIG));
+            for (Py_ssize_t q = 0; q < e->d[k].n; q++) mp_int(b, pub_hash(e->d[k].seed, e->d[k].p + q * DIG));
         if (e->kind == 0) {
             mp_cstr(b, "parent_block_hash");
             if (e->has_parent) mp_int(b, e->parent); else b_u8(b, 0xc0);
@@ -375,14 +400,15 @@ static PyObject *encode_batch(PyObject *Py_UNUSED(self), PyObject *args) {
         if (!PyTuple_Check(rec) || PyTuple_GET_SIZE(rec) < 1) { PyErr_SetString(PyExc_TypeError, "bad event record"); goto done; }
         long kind = PyLong_AsLong(PyTuple_GET_ITEM(rec, 0));
         e->kind = (int)kind;
-        const unsigned char *res; Py_ssize_t job, lo, hi;
+        const unsigned char *res, *seed; Py_ssize_t job, lo, hi;
         if (kind == 0 && PyTuple_GET_SIZE(rec) == 7) {
-            if (span_of(&c, PyTuple_GET_ITEM(rec, 1), &res, &job, &lo, &hi) < 0) goto done;
-            if (ev_seg(e, res, job, lo, hi) < 0) { PyErr_NoMemory(); goto done; }
+            if (span_of(&c, PyTuple_GET_ITEM(rec, 1), &res, &job, &lo, &hi, &seed) < 0) goto done;
+            if (ev_seg(e, res, job, lo, hi, seed) < 0) { PyErr_NoMemory(); goto done; }
             PyObject *parent = PyTuple_GET_ITEM(rec, 2);
             if (parent != Py_None) {
                 Py_ssize_t plo, phi;
-                if (span_of(&c, parent, &e->pres, &e->psrc, &plo, &phi) < 0) goto done;
+                const unsigned char *pseed;
+                if (span_of(&c, parent, &e->pres, &e->psrc, &plo, &phi, &pseed) < 0) goto done;
                 e->has_parent = 1;
                 e->plo = phi - 1;
                 if (e->pres) e->psrc = -1;
@@ -404,8 +430,8 @@ static PyObject *encode_batch(PyObject *Py_UNUSED(self), PyObject *args) {
             PyObject *spans = PyTuple_GET_ITEM(rec, 1);
             if (!PyList_Check(spans)) { PyErr_SetString(PyExc_TypeError, "bad removed spans"); goto done; }
             for (Py_ssize_t k = 0; k < PyList_GET_SIZE(spans); k++)
-                if (span_of(&c, PyList_GET_ITEM(spans, k), &res, &job, &lo, &hi) < 0) goto done;
-                else if (ev_seg(e, res, job, lo, hi) < 0) { PyErr_NoMemory(); goto done; }
+                if (span_of(&c, PyList_GET_ITEM(spans, k), &res, &job, &lo, &hi, &seed) < 0) goto done;
+                else if (ev_seg(e, res, job, lo, hi, seed) < 0) { PyErr_NoMemory(); goto done; }
             e->medium = PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(rec, 2), &e->mlen);
             if (!e->medium) goto done;
         } else if (kind == 2) {

@@ -1,6 +1,7 @@
 """SGLang 0.5.23's own publisher beside radixd's (run in SGLang's venv by tests/test_service_events.py):
 one seeded sequence of inserts (with splits) and evictions on SGLang's `RadixCache` with KV events on and on
-radixd's tree, keys built as SGLang's scheduler builds them (`array('q')`, bigram pairs for EAGLE); after
+radixd's tree, keys built as SGLang's scheduler builds them (`array('q')`, bigram pairs for EAGLE), in the
+default namespace and, with SGLang's Dynamo event format, under adapters (extra_key) and salts; after
 every step the two event streams, as msgpack a router receives, must be equal (SGLang's own encoder on
 one side, radixd's Python and native encoders on the other).
 
@@ -60,10 +61,14 @@ def _normal(events: list) -> list:
     return out
 
 
-def run(page: int, bigram: bool, seed: int, steps: int) -> int:
+NAMESPACES = ((None, None), ("adapter-a", None), ("adapter-b", None), (None, "tenant"), ("adapter-a", "tenant"))
+
+
+def run(page: int, bigram: bool, seed: int, steps: int, namespaces: bool = False) -> int:
     rng = random.Random(seed)
     sgl = RadixCache(CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=Allocator(),
-                                     page_size=page, is_eagle=bigram, enable_kv_cache_events=True))
+                                     page_size=page, is_eagle=bigram, enable_kv_cache_events=True,
+                                     dynamo_kv_event_format=namespaces))
     sgl.take_events()  # its reset's AllBlocksCleared
     mine = RadixTree(page_size=page, bigram=bigram, events=True)
     prompts = [[rng.randrange(1, 40) for _ in range(rng.randrange(2, 12) * page + bigram)] for _ in range(10)]
@@ -72,7 +77,8 @@ def run(page: int, bigram: bool, seed: int, steps: int) -> int:
         if rng.random() < 0.8:
             p = rng.choice(prompts)[:rng.randrange(1 + bigram, len(prompts[0]) + 1)]
             p = p + [rng.randrange(1, 40) for _ in range(rng.randrange(0, 2 * page))]
-            key = RadixKey(array("q", p), None, is_bigram=bigram).page_aligned(page)
+            extra, salt = rng.choice(NAMESPACES) if namespaces else (None, None)
+            key = RadixKey(array("q", p), extra, is_bigram=bigram, cache_salt=salt).page_aligned(page)
             n = len(key)
             if not n:
                 continue
@@ -80,7 +86,7 @@ def run(page: int, bigram: bool, seed: int, steps: int) -> int:
             slot += n
             sgl.insert(InsertParams(key=key, value=value))
             raw = list(key.raw_token_ids()) if hasattr(key, "raw_token_ids") else list(key.token_ids)
-            mine.insert(raw[:n + bigram], value.tolist())
+            mine.insert(raw[:n + bigram], value.tolist(), namespace=(extra or "", salt or ""))
         else:
             total = sgl.evictable_size()  # everything: the two may break ties between equal leaves apart
             sgl.evict(EvictParams(num_tokens=total))
@@ -101,4 +107,8 @@ if __name__ == "__main__":
         n = run(page, bigram, seed=page * 10 + bigram, steps=400)
         assert n > 100, n
         print("ok", page, bigram, n, flush=True)
+    for page in (1, 4):  # the same tokens under adapters and salts: each namespace's hashes are its own
+        n = run(page, False, seed=page * 7, steps=400, namespaces=True)
+        assert n > 100, n
+        print("ok namespaces", page, n, flush=True)
     print("ok events_match_sglang")

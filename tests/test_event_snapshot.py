@@ -61,7 +61,7 @@ def test_the_snapshot_equals_every_batch_so_far(tmp_path):
             assert sum(fresh.blocks("n", "CPU_PINNED").values()) and sum(fresh.blocks("n", "GPU").values())
             for toks, salt, lora in prompts:
                 m = c.match_prefix(toks, cache_salt=salt, extra_key=lora)
-                assert fresh.match(toks, cache_salt=salt)["n"] == {
+                assert fresh.match(toks, cache_salt=salt, extra_key=lora)["n"] == {
                     "GPU": m.matched_len // PAGE, "any": (m.matched_len + m.host_hit_len) // PAGE}
             with grpc.insecure_channel(srv.target) as ch:  # a snapshot replaces a replay: asking for both is refused
                 with pytest.raises(grpc.RpcError) as e:
@@ -127,8 +127,9 @@ def test_a_follower_stays_current_and_resyncs_after_a_restart(tmp_path):
             _until(lambda: idx.current("n", c.event_seq), "the workload's batches")
             for t, salt, lora in prompts:
                 m = c.match_prefix(t, cache_salt=salt, extra_key=lora)
-                assert idx.leading("n", t, cache_salt=salt) == (m.matched_len + m.host_hit_len) // PAGE
-                assert idx.holds_first("n", list(t), cache_salt=salt) == (m.matched_len + m.host_hit_len >= PAGE)
+                assert idx.leading("n", t, cache_salt=salt, extra_key=lora) == (m.matched_len + m.host_hit_len) // PAGE
+                assert idx.holds_first("n", list(t), cache_salt=salt, extra_key=lora) == \
+                    (m.matched_len + m.host_hit_len >= PAGE)
         resyncs = idx.resyncs
         srv.stop()
         _until(lambda: not idx.current("n"), "the follower to notice the server is gone")
@@ -177,6 +178,8 @@ def test_a_local_index_calls_a_miss_only_while_current(tmp_path):
                 for form in (toks, toks.tolist(), array("q", toks.tolist()), toks[:PAGE]):
                     assert not idx.known_miss(form)
                 assert idx.known_miss(toks, cache_salt="other")  # the same ids in another namespace
+                assert idx.known_miss(toks, extra_key="adapter")  # and under an adapter
+                idx.misses -= 1
                 assert idx.known_miss(toks[PAGE:])  # the second page alone starts no chain radixd holds
                 assert idx.misses == 5
                 srv.stop()

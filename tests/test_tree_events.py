@@ -11,8 +11,9 @@ from radixd.server.tree.events import AllBlocksCleared, BlockRemoved, BlockStore
 from radixd.server.tree.hashes import token_block_hashes
 
 
-def _ref_block_hashes(tokens, page, salt=""):
-    """The scheme written out independently: hex digests, first 16 hex digits, two's complement."""
+def _ref_block_hashes(tokens, page, salt="", lora=""):
+    """The scheme written out independently: hex digests, first 16 hex digits, two's complement; a namespace's
+    hashes then re-hashed with its seed (SGLang's Dynamo event format)."""
     prior = hashlib.sha256(b"sglang-cache-salt-v1\x00" + salt.encode()).digest() if salt else b""
     out = []
     for i in range(0, len(tokens) - len(tokens) % page, page):
@@ -20,16 +21,29 @@ def _ref_block_hashes(tokens, page, salt=""):
         prior = h.digest()
         v = int(h.hexdigest()[:16], 16)
         out.append(v - (1 << 64) if v >= 1 << 63 else v)
-    return out
+    if not (salt or lora):
+        return out
+    seed = hashlib.sha256(b"sglang-kv-event-namespace-v1")
+    for part in (lora, salt):
+        seed.update(b"\x01" + struct.pack("<Q", len(part.encode())) + part.encode() if part else b"\x00")
+    return [struct.unpack(">q", hashlib.sha256(seed.digest() + struct.pack(">q", v)).digest()[:8])[0] for v in out]
 
 
 def test_known_answers_for_the_page_hash_chain():
     toks = [1, 2, 3, 4, 70000, 5]
     assert token_block_hashes(toks, 2) == _ref_block_hashes(toks, 2)
     assert token_block_hashes(toks, 2, "s") == _ref_block_hashes(toks, 2, "s") != _ref_block_hashes(toks, 2)
-    # pinned values: a change of scheme must fail here, not silently in a router
+    assert token_block_hashes(toks, 2, extra_key="a") == _ref_block_hashes(toks, 2, lora="a") != \
+        _ref_block_hashes(toks, 2)
+    both = token_block_hashes(toks, 2, "s", "a")
+    assert both == _ref_block_hashes(toks, 2, "s", "a") not in (_ref_block_hashes(toks, 2, "s"),
+                                                                 _ref_block_hashes(toks, 2, lora="a"))
+    # pinned values: a change of scheme must fail here, not silently in a router (the namespaced ones as
+    # SGLang 0.5.23's kv_event_namespace_seed and namespaced_block_hash compute them)
     assert token_block_hashes([1, 2, 3, 4], 2) == [3817746824117602890, -4216701448867210342]
-    assert token_block_hashes([1, 2], 2, cache_salt="tenant-a") == [31502315585564397]
+    assert token_block_hashes([1, 2], 2, extra_key="adapter-b") == [-7207481173606926673]
+    assert token_block_hashes([1, 2], 2, cache_salt="tenant-a") == [552704225747113539]
+    assert token_block_hashes([1, 2], 2, cache_salt="tenant-a", extra_key="adapter-b") == [-5559624396518388732]
 
 
 def _events(t):
@@ -67,13 +81,25 @@ def test_emission_points_media_and_coalescing():
     assert isinstance(_events(t)[-1], AllBlocksCleared)
 
 
-def test_namespaced_chain_uses_the_salt_and_ignores_extra_key():
+def test_every_namespace_publishes_its_own_block_hashes():
+    """The same tokens under no adapter, two adapters and a salt: four sets of hashes, stored and removed alike
+    (a router that identifies pages by hash must never take one namespace's copy for another's)."""
     t = RadixTree(page_size=2, events=True)
-    t.insert([1, 2, 3, 4], [1, 2, 3, 4], namespace=("lora-x", ""))
-    t.insert([1, 2, 3, 4], [5, 6, 7, 8], namespace=("lora-x", "tenant-a"))
-    a, b = _events(t)
-    assert a.block_hashes == token_block_hashes([1, 2, 3, 4], 2) and a.cache_salt is None
-    assert b.block_hashes == token_block_hashes([1, 2, 3, 4], 2, "tenant-a") and b.cache_salt == "tenant-a"
+    spaces = [("", ""), ("lora-x", ""), ("lora-y", ""), ("lora-x", "tenant-a")]
+    for i, ns in enumerate(spaces):
+        t.insert([1, 2, 3, 4, 5, 6], [10 * i + j for j in range(6)], namespace=ns)
+    stores = _events(t)
+    assert [(e.lora_name, e.cache_salt) for e in stores] == [(lora or None, salt or None) for lora, salt in spaces]
+    for e, (lora, salt) in zip(stores, spaces):
+        assert e.block_hashes == token_block_hashes([1, 2, 3, 4, 5, 6], 2, salt, lora)
+    assert len({h for e in stores for h in e.block_hashes}) == 12
+    t.insert([1, 2, 3, 4, 7, 8], [90, 91, 92, 93, 94, 95], namespace=("lora-x", ""))  # a split, then a child
+    (child,) = _events(t)
+    assert child.parent_block_hash == token_block_hashes([1, 2, 3, 4], 2, extra_key="lora-x")[-1]
+    assert child.block_hashes == token_block_hashes([1, 2, 3, 4, 7, 8], 2, extra_key="lora-x")[2:]
+    t.evict(100)
+    removed = [h for e in _events(t) for h in e.block_hashes]
+    assert sorted(removed) == sorted({h for e in stores + [child] for h in e.block_hashes})
 
 
 def test_child_events_chain_to_the_parent_block():
@@ -146,6 +172,10 @@ def test_first_page_hash_from_every_token_type_equals_the_reference():
     for page in (1, 2, 16, 300):  # (300: past the native call's stack buffer)
         toks = rng.integers(0, 1 << 32, page + 7, dtype=np.int64).tolist()
         toks[0] = (1 << 32) - 1  # the top of the range
+        for salt, lora in (("", ""), ("tenant-a", ""), ("", "adapter"), ("tenant-a", "adapter")):
+            want = _ref_block_hashes(toks[:page], page, salt, lora)[0]
+            assert hashes.first_block_hash(toks, page, salt, lora) == want
+            assert hashes.first_block_hash(array("q", toks), page, salt, lora) == want
         for salt in ("", "tenant-a"):
             want = _ref_block_hashes(toks[:page], page, salt)[0]
             assert hashes.first_block_hash(toks, page, salt) == want
@@ -153,8 +183,8 @@ def test_first_page_hash_from_every_token_type_equals_the_reference():
             assert hashes.first_block_hash(array("q", toks), page, salt) == want
             assert hashes.first_block_hash(array("Q", toks), page, salt) == want
             assert hashes.first_block_hash(array("L", toks), page, salt) == want
-            assert hashes._native_first(np.asarray(toks, dtype=np.uint32), page,
-                                        hashes.salt_seed(salt)) == want
+            chained = hashes._native_first(np.asarray(toks, dtype=np.uint32), page, hashes.salt_seed(salt))
+            assert hashes.namespaced([chained], hashes.event_seed("", salt))[0] == want
             small = [t % 30000 for t in toks]
             want_small = _ref_block_hashes(small[:page], page, salt)[0]
             for code in "bhiq":

@@ -72,7 +72,7 @@ def tree_pages(t: HybridTree, page: int) -> dict[int, Counter]:
             path.append(walker.key)
             walker = walker.parent
         tokens = np.frombuffer(b"".join(reversed(path)), "<i4").tolist()
-        pages = token_block_hashes(tokens, page, node.ns[1])[-(node.n // page):]
+        pages = token_block_hashes(tokens, page, node.ns[1], node.ns[0])[-(node.n // page):]
         want[0].update(pages)
         if node.swa:
             want[1].update(pages)

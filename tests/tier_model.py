@@ -160,7 +160,7 @@ class EventFollower:
         """The blocks rebuilt from events equal the tree's cached pages per medium, exactly."""
         from collections import Counter
 
-        from radixd.server.tree.hashes import block_hashes
+        from radixd.server.tree.hashes import block_hashes, event_seed, namespaced
         events, lost = tree.take_events()
         assert lost == 0
         self.apply(events)
@@ -168,7 +168,7 @@ class EventFollower:
         for nd in tree.iter_nodes():
             if nd.parent is None:
                 continue
-            hs = block_hashes(tree._digests(nd))
+            hs = namespaced(block_hashes(tree._digests(nd)), event_seed(*nd.ns))  # (hashes.py: namespaced hashes)
             if nd.value is not None:
                 want["GPU"].update(hs)
             if nd.host_value is not None and not nd.pending:

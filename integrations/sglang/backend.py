@@ -488,7 +488,8 @@ class RadixdRadixCache(RadixCache):
             return
         salt = req.cache_salt or ""
         index = self.index  # (asked straight: one call layer less on a cache-cold thread)
-        if index is not None and index.known_miss(origin if len(origin) >= self.page_size else origin + out, salt):
+        if index is not None and index.known_miss(origin if len(origin) >= self.page_size else origin + out, salt,
+                                                  req.extra_key or ""):
             if len(self._missed) > 65536:  # (its first page is all it hashes) (dropped at release; this bounds any
                 self._missed.clear()  # that never are)
             self._missed[req.cache_request_handle] = time.monotonic()
@@ -500,7 +501,7 @@ class RadixdRadixCache(RadixCache):
 
     def _known_miss(self, tokens: Any, ns: dict) -> bool:
         """radixd holds not even the first page of tokens (any int sequence), by the local index."""
-        return self.index is not None and self.index.known_miss(tokens, ns["cache_salt"])
+        return self.index is not None and self.index.known_miss(tokens, ns["cache_salt"], ns["extra_key"])
 
     def _ask(self, handle: Any, tokens: Any, ns: dict, req: Any = None) -> None:
         if handle in self._asked or handle in self._holds:

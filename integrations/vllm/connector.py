@@ -482,7 +482,8 @@ class _Scheduler:
         # loadable token, as the state radixd hands back sits exactly at the hit's end
         n = self._align(len(toks) - 1) if self.mamba else self._align(len(toks))
         index = self.index
-        if n and self._align(len(toks) - 1) and (index is None or not index.known_miss(toks, st.ns["cache_salt"])):
+        if n and self._align(len(toks) - 1) and \
+                (index is None or not index.known_miss(toks, st.ns["cache_salt"], st.ns["extra_key"])):
             st.pending, st.asked = True, time.monotonic()
             self.lookups.submit(rid, st.tokens, st.ns, upto=n)
         else:

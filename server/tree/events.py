@@ -12,7 +12,7 @@ from typing import Optional, Union
 
 import numpy as np
 
-from .hashes import block_hash, block_hashes, span_digests, span_last
+from .hashes import block_hash, block_hashes, namespaced, span_digests, span_last, span_seed
 
 GPU, CPU = "GPU", "CPU_PINNED"
 
@@ -27,7 +27,7 @@ class BlockStored:
     block_size: int
     medium: str
     cache_salt: Optional[str] = None
-    lora_name: Optional[str] = None  # the adapter: the namespace's extra_key (the hash chain ignores it)
+    lora_name: Optional[str] = None  # the adapter: the namespace's extra_key (namespaces the block hashes)
     group_idx: Optional[int] = None  # hybrid models: which component (vLLM's KV cache group), see hybrid.py
     kv_cache_spec_kind: Optional[str] = None
     kv_cache_spec_sliding_window: Optional[int] = None
@@ -133,8 +133,9 @@ class RawEvents:
             kind = rec[0]
             if kind == STORED:
                 _, span, parent, key, medium, salt, lora = rec
-                hashes = block_hashes(span_digests(span))
-                prev = block_hash(span_last(parent)) if parent is not None else None
+                seed = span_seed(span)  # a namespace's published hashes are its own (hashes.py)
+                hashes = namespaced(block_hashes(span_digests(span)), seed)
+                prev = namespaced([block_hash(span_last(parent))], seed)[0] if parent is not None else None
                 toks = np.frombuffer(key, self.key_dtype)
                 if self.bigram:  # an atom is a pair, published as SGLang does: [first, second]
                     ids = list(zip((toks >> 32).tolist(), (toks & 0xFFFFFFFF).astype(np.int32).tolist()))
@@ -142,7 +143,10 @@ class RawEvents:
                     ids = toks.tolist()
                 out.push(BlockStored(hashes, prev, ids, self.page_size, medium, salt, lora))
             elif kind == REMOVED:
-                out.push(BlockRemoved(block_hashes(b"".join([span_digests(sp) for sp in rec[1]])), rec[2]))
+                hashes = []
+                for sp in rec[1]:
+                    hashes += namespaced(block_hashes(span_digests(sp)), span_seed(sp))
+                out.push(BlockRemoved(hashes, rec[2]))
             else:
                 out.push(AllBlocksCleared())
         return out.events

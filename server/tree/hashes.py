@@ -11,6 +11,12 @@ FROZEN. External routers and stores depend on these bytes; never change them, ad
   the event chain (a LoRA or other extra key with no salt hashes like the default namespace).
 * A block hash, as events report it, is the first 8 bytes of the digest read big-endian as a signed
   64-bit integer (the first 16 hex digits of the hex digest, as SGLang's `hash_str_to_int64`).
+* Namespaced block hashes (what events publish; SGLang 0.5.23's rule in its Dynamo event format): in a
+  namespace with an extra_key (a LoRA adapter) or a cache_salt, each published block hash h is replaced by
+  the first 8 bytes (big-endian, signed) of SHA-256(event_seed || h as 8 big-endian bytes), where
+  event_seed = SHA-256(b"sglang-kv-event-namespace-v1" || part(extra_key) || part(cache_salt)) and
+  part(x) = b"\x00" when absent, else b"\x01" || len(utf-8 x) as 8 bytes little-endian || utf-8 x. Every
+  namespace's pages thus have their own block hashes; the digest chain (and L3 keys) stays as above.
 """
 from __future__ import annotations
 
@@ -29,6 +35,7 @@ except ImportError:  # pragma: no cover - depends on the build machine
 NATIVE = _native_chain is not None
 
 SALT_SEED_PREFIX = b"sglang-cache-salt-v1\x00"
+EVENT_SEED_TAG = b"sglang-kv-event-namespace-v1"
 
 
 def salt_seed(cache_salt: str) -> Optional[bytes]:
@@ -36,6 +43,35 @@ def salt_seed(cache_salt: str) -> Optional[bytes]:
     if not cache_salt:
         return None
     return hashlib.sha256(SALT_SEED_PREFIX + cache_salt.encode()).digest()
+
+
+def event_seed(extra_key: str = "", cache_salt: str = "") -> Optional[bytes]:
+    """The seed that namespaces a namespace's published block hashes: None for the default namespace."""
+    if not extra_key and not cache_salt:
+        return None
+    sha = hashlib.sha256(EVENT_SEED_TAG)
+    for part in (extra_key, cache_salt):
+        if not part:
+            sha.update(b"\x00")
+            continue
+        raw = part.encode()
+        sha.update(b"\x01" + len(raw).to_bytes(8, "little") + raw)
+    return sha.digest()
+
+
+def namespaced(hashes: list[int], seed: Optional[bytes]) -> list[int]:
+    """Published block hashes of a namespace from its chain's block hashes (unchanged without a seed)."""
+    if seed is None:
+        return hashes
+    sha = hashlib.sha256
+    return [int.from_bytes(sha(seed + h.to_bytes(8, "big", signed=True)).digest()[:8], "big", signed=True)
+            for h in hashes]
+
+
+def span_seed(span: "Span") -> Optional[bytes]:
+    """The event seed a span's namespace publishes its block hashes under (hashes.py: namespaced hashes)."""
+    fmt = span[0][3]
+    return fmt[2] if fmt is not None and len(fmt) > 2 else None
 
 
 def page_bytes(key: bytes, bigram: bool) -> bytes:
@@ -86,9 +122,9 @@ def lazy_span(key: bytes, fmt: tuple[int, bool], prior) -> Span:
     return ([None, key, prior, fmt], 0, len(key) // fmt[0])
 
 
-def known_span(digests: bytes) -> Span:
-    """Digests computed elsewhere (e.g. fetched from storage with their pages)."""
-    return ([digests, None, None, None], 0, len(digests) // 32)
+def known_span(digests: bytes, fmt: Optional[tuple] = None) -> Span:
+    """Digests computed elsewhere (e.g. fetched from storage with their pages); fmt names its namespace's seed."""
+    return ([digests, None, None, fmt], 0, len(digests) // 32)
 
 
 def resolve(run: Run) -> bytes:
@@ -153,16 +189,17 @@ def block_hashes(digests: bytes) -> list[int]:
     return np.frombuffer(digests, dtype=">i8").reshape(-1, 4)[:, 0].tolist()
 
 
-def first_block_hash(tokens, page_size: int, cache_salt: str = "") -> int:
+def first_block_hash(tokens, page_size: int, cache_salt: str = "", extra_key: str = "") -> int:
     """The block hash of the first page alone, in one native call where it can: the check an engine makes on each
     arriving request, on a scheduler thread whose caches the forward left cold (each call costs microseconds there)."""
     if _native_first is not None and type(tokens) in (list, array):
-        return _native_first(tokens, page_size, salt_seed(cache_salt) if cache_salt else None)
-    return token_block_hashes(tokens[:page_size], page_size, cache_salt)[0]
+        h = _native_first(tokens, page_size, salt_seed(cache_salt) if cache_salt else None)
+        return namespaced([h], event_seed(extra_key, cache_salt))[0] if extra_key or cache_salt else h
+    return token_block_hashes(tokens[:page_size], page_size, cache_salt, extra_key)[0]
 
 
-def token_block_hashes(tokens, page_size: int, cache_salt: str = "") -> list[int]:
-    """Block hashes of the whole pages of a token sequence, as a router computes them to look pages up."""
+def token_block_hashes(tokens, page_size: int, cache_salt: str = "", extra_key: str = "") -> list[int]:
+    """Published block hashes of the whole pages of a token sequence, as a router computes them to look pages up."""
     if type(tokens) is list:  # an engine's prompt: struct packs a list 3x faster than numpy converts one
         n = len(tokens) - len(tokens) % page_size
         try:
@@ -173,4 +210,4 @@ def token_block_hashes(tokens, page_size: int, cache_salt: str = "") -> list[int
         arr = np.asarray(tokens, dtype="<u4")
         n = arr.size - arr.size % page_size
         data = arr[:n].tobytes()
-    return block_hashes(chain(data, page_size * 4, salt_seed(cache_salt)))
+    return namespaced(block_hashes(chain(data, page_size * 4, salt_seed(cache_salt))), event_seed(extra_key, cache_salt))

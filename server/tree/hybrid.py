@@ -37,7 +37,8 @@ runs both side by side on random operations); `native=False` asks for the Python
 
 Namespaces (extra_key, cache_salt) are separate roots, as in the plain tree: a prefix cached under one is
 never matched under another, a namespace's root goes when its last node does, and its page hashes are seeded
-from the cache_salt (events carry cache_salt and, as lora_name, the extra_key), exactly as the plain tree's.
+from the cache_salt (events carry cache_salt and, as lora_name, the extra_key; both namespace the published
+block hashes), exactly as the plain tree's.
 """
 from __future__ import annotations
 
@@ -683,10 +684,12 @@ class HybridTree:
             if kind == CLEARED:
                 out.push(AllBlocksCleared())
                 continue
-            hashes = _hashes.block_hashes(dig)
+            seed = _hashes.event_seed(lora, salt) if lora or salt else None  # the namespace's own hashes
+            hashes = _hashes.namespaced(_hashes.block_hashes(dig), seed)
             group = self.groups[comp]
             if kind == STORED:
-                out.push(BlockStored(hashes, None if parent is None else _hashes.block_hash(parent),
+                prev = None if parent is None else _hashes.namespaced([_hashes.block_hash(parent)], seed)[0]
+                out.push(BlockStored(hashes, prev,
                                      np.frombuffer(key, "<i4").tolist(), self.page_size, self.medium,
                                      cache_salt=salt or None, lora_name=lora or None, group_idx=group, kv_cache_spec_kind=kinds[comp],
                                      kv_cache_spec_sliding_window=window if comp == SWA else None))

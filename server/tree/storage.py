@@ -86,7 +86,7 @@ class StorageMixin:
         node.children[leaf.key[:pb]] = leaf
         self._nodes[leaf.id] = leaf
         first = pos // self.page_size
-        leaf.hashes = _hashes.known_span(bytes(digests[first * 32:]))
+        leaf.hashes = _hashes.known_span(bytes(digests[first * 32:]), self._fmt(node.ns))
         self._set_host(leaf, vb[pos * 4:])
         self._add_hleaf(leaf)
         self._sync(node)

@@ -152,10 +152,19 @@ class RadixTree(TransferMixin, StorageMixin):
         self._ectx = (EvictResult, DEFAULT_NS, REMOVED, GPU, np.empty, _I32, _EMPTY, POLICIES["lru"], HEAP_SLACK,
                       HEAP_FLOOR)
         self._seeds: dict[Namespace, Optional[bytes]] = {}
-        self._hfmt = (self._page_b, self.bigram)  # shared by every lazy digest run (hashes.py)
+        self._hfmt = (self._page_b, self.bigram)  # shared by every lazy digest run of the default namespace
+        self._hfmts: dict[Namespace, tuple] = {DEFAULT_NS: self._hfmt}  # others add their event seed (hashes.py)
         self._root(DEFAULT_NS)
 
     # ---------------------------------------------------------------- events
+    def _fmt(self, ns: Namespace) -> tuple:
+        """The digest-run format of a namespace: page bytes, bigram, and its event seed unless the default."""
+        fmt = self._hfmts.get(ns)
+        if fmt is None:
+            seed = _hashes.event_seed(ns[0], ns[1])
+            fmt = self._hfmts[ns] = self._hfmt if seed is None else (self._page_b, self.bigram, seed)
+        return fmt
+
     def _span(self, node: Node) -> _hashes.Span:
         """A node's page digests as a lazy span, created along its path where missing (nothing is hashed)."""
         span = node.hashes
@@ -175,7 +184,7 @@ class RadixTree(TransferMixin, StorageMixin):
                     self._span(nd)
                 ps = node.parent.hashes
             prior = (ps[0], ps[2] - 1)
-        node.hashes = span = _hashes.lazy_span(node.key, self._hfmt, prior)
+        node.hashes = span = _hashes.lazy_span(node.key, self._fmt(node.ns), prior)
         return span
 
     def _digests(self, node: Node) -> bytes:
@@ -195,7 +204,7 @@ class RadixTree(TransferMixin, StorageMixin):
         else:
             ps = parent.hashes or self._span(parent)
             if span is None:  # a new leaf, the common case: its span continues its parent's (as _span would)
-                node.hashes = span = _hashes.lazy_span(node.key, self._hfmt, (ps[0], ps[2] - 1))
+                node.hashes = span = _hashes.lazy_span(node.key, self._fmt(node.ns), (ps[0], ps[2] - 1))
         q.records.append((STORED, span, ps, node.key, medium, node.ns[1] or None, node.ns[0] or None))
 
     def _removed(self, node: Node, medium: str) -> None:
