@@ -236,19 +236,33 @@ class CacheClient(_Base):
     def echo(self, payload: bytes) -> bytes:
         return self._call("Echo", pb.EchoRequest(payload=payload)).payload
 
-    def map_pools(self, device: Any = None) -> codec.MappedPools:
-        """Map every pool (zero-copy torch views); refuses pools of another server instance."""
-        from .pools import map_pool
+    def map_pools(self, device: Any = None, host: bool = True, elsewhere: bool = False) -> codec.MappedPools:
+        """Map the pools (zero-copy torch views); refuses pools of another server instance.
+
+        `device` (a torch CUDA device or this process's ordinal) takes the device pool on that GPU, matched by UUID
+        (ordinals differ between processes); without it, every device pool on a GPU this process sees.
+        host=False leaves the host pool unmapped: an engine's workers never copy from it, and mapping it pins it.
+        elsewhere=True: with no pool on `device`'s GPU, the first pool on a GPU this process sees."""
+        from .pools import map_pool, select_device_pools
         info = self.info()
         if self.instance_id and info["instance_id"] != self.instance_id:
             raise ServerRestarted(f"server restarted (instance {info['instance_id']}); call reconnect() first")
         pools = info["device_pools"]
-        if device is not None and len(pools) > 1:
-            idx = device if isinstance(device, int) else getattr(device, "index", 0) or 0
-            pools = [p for p in pools if p.device_index == idx] or pools[:1]
+        if any(p.backend == "cuda" for p in pools):
+            from radixd.server.pools import cuda
+
+            from .pools import PoolMappingError
+            try:
+                want = None
+                if device is not None and getattr(device, "type", "cuda") == "cuda":
+                    idx = device if isinstance(device, int) else (getattr(device, "index", None) or 0)
+                    want = cuda.gpu_uuid(idx)
+                pools = select_device_pools(pools, want, lambda: cuda.visible_uuids(cuda._libcuda()), elsewhere)
+            except LookupError as e:
+                raise PoolMappingError(str(e)) from None
         iid = info["instance_id"]
         return codec.MappedPools([map_pool(p, iid) for p in pools],
-                                 map_pool(info["host_pool"], iid) if info["host_pool"] else None,
+                                 map_pool(info["host_pool"], iid) if info["host_pool"] and host else None,
                                  map_pool(info["swa_pool"], iid) if info["swa_pool"] else None,
                                  map_pool(info["state_pool"], iid) if info["state_pool"] else None)
 

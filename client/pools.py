@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from radixd.server.pools.descriptor import PoolDescriptor
 from radixd.server.pools.spec import DTYPES
@@ -21,13 +21,14 @@ class PoolMappingError(RuntimeError):
 class MappedPool:
     """Torch views of one pool, named as SGLang's KV pools: k_buffer[layer], v_buffer[layer] (or kv_buffer)."""
 
-    def __init__(self, desc: PoolDescriptor, expected_instance: Optional[str] = None):
+    def __init__(self, desc: PoolDescriptor, expected_instance: Optional[str] = None, pin: bool = True):
         import torch
         if expected_instance is not None and desc.instance_id != expected_instance:
             raise PoolMappingError(f"pool belongs to server instance {desc.instance_id}, "
                                    f"the server is now {expected_instance}")
         self.descriptor = desc
         self._shm = self._ipc = None
+        self._pinned_at = 0
         if desc.backend == "shm":
             from radixd.server.pools.shm import ShmRegion
             try:
@@ -35,16 +36,22 @@ class MappedPool:
             except FileNotFoundError as e:
                 raise PoolMappingError(str(e)) from None
             raw = torch.frombuffer(self._shm.mm, dtype=torch.uint8)
-            if desc.pinned:
+            if desc.pinned and pin:
                 from radixd.server.pools.cuda import pin_host
-                pin_host(raw.data_ptr(), raw.numel())
+                try:
+                    pin_host(raw.data_ptr(), raw.numel())
+                except Exception as e:
+                    self._shm.close()
+                    raise PoolMappingError(f"cannot pin radixd's host pool here: {e}") from None
+                self._pinned_at = raw.data_ptr()
         elif desc.backend == "cuda":
             from radixd.server.pools.cuda import IpcMapping
             try:
-                self._ipc = IpcMapping(desc.handle, desc.gpu_uuid, desc.size_bytes)
+                ipc = IpcMapping(desc.handle, desc.gpu_uuid, desc.size_bytes)
             except (RuntimeError, LookupError) as e:
                 raise PoolMappingError(str(e)) from None
-            raw = torch.from_dlpack(self._ipc.as_uint8())
+            # the views own the mapping: it is unmapped when the last tensor made from it is gone, never under one
+            raw = torch.from_dlpack(ipc.as_uint8())
         else:
             raise PoolMappingError(f"unknown backend {desc.backend!r}")
         self.device = raw.device
@@ -68,7 +75,7 @@ class MappedPool:
         self.v_buffer = per.get("v", [])
         self.kv_buffer = per.get("kv", [])
         self._closed = False
-        self._finalizer = weakref.finalize(self, MappedPool._release, self._shm, self._ipc)
+        self._finalizer = weakref.finalize(self, MappedPool._release, self._shm, self._pinned_at)
 
     def populate(self, chunk: int = 2 << 20) -> bool:
         """Map every page of a shared-memory pool into this process now, a chunk per call: a worker's first
@@ -91,11 +98,12 @@ class MappedPool:
         return self.buffers[f"{kind}.{layer}"]
 
     @staticmethod
-    def _release(shm, ipc) -> None:
+    def _release(shm, pinned_at: int) -> None:
+        if pinned_at:
+            from radixd.server.pools.cuda import unpin_host
+            unpin_host(pinned_at)
         if shm is not None:
             shm.close()
-        if ipc is not None:
-            ipc.close()
 
     def close(self) -> None:
         """Drop the views and unmap; safe to call twice."""
@@ -107,9 +115,32 @@ class MappedPool:
         self._finalizer()
 
 
-def map_pool(desc: PoolDescriptor, expected_instance: Optional[str] = None) -> MappedPool:
-    """Map one pool described by the server."""
-    return MappedPool(desc, expected_instance)
+def map_pool(desc: PoolDescriptor, expected_instance: Optional[str] = None, pin: bool = True) -> MappedPool:
+    """Map one pool described by the server (pin=False: a host pool this process never DMAs from stays unpinned)."""
+    return MappedPool(desc, expected_instance, pin)
+
+
+def select_device_pools(pools: Sequence[PoolDescriptor], want_uuid: Optional[str],
+                        visible: Callable[[], list[str]], elsewhere: bool = False) -> list[PoolDescriptor]:
+    """The device pools a process maps: the one on its own GPU (by UUID, never by ordinal), or every pool on a GPU
+    it can see; refused in one line when there is none. `elsewhere`: with no pool on its own GPU, the first pool
+    on a GPU it sees (an engine rank that copies across GPUs). Shared-memory pools (no GPU) are all taken."""
+    if not pools or all(p.backend != "cuda" for p in pools):
+        return list(pools)
+    on = ", ".join(p.gpu_uuid for p in pools)
+    if want_uuid is not None:
+        mine = [p for p in pools if p.gpu_uuid == want_uuid]
+        if mine or not elsewhere:
+            if not mine:
+                raise PoolMappingError(f"radixd has no device pool on this process's GPU {want_uuid} (its pools are "
+                                       f"on {on}): start radixd with --gpus covering it")
+            return mine
+    seen = set(visible())
+    mine = [p for p in pools if p.gpu_uuid in seen]
+    if not mine:
+        raise PoolMappingError(f"none of radixd's GPUs ({on}) is visible to this process "
+                               f"(check CUDA_VISIBLE_DEVICES or the container's GPUs)")
+    return mine[:1] if want_uuid is not None else mine
 
 
 def populate_in_background(pools: Sequence[MappedPool]) -> threading.Thread:

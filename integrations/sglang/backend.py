@@ -299,7 +299,9 @@ class RadixdRadixCache(RadixCache):
                              f"{self.page_size}; start radixd with --page-size {self.page_size}")
         kv = self.token_to_kv_pool_allocator.get_kvcache()
         self.k, self.v = kv.k_buffer, kv.v_buffer
-        self.pools = self.client.map_pools(self.k[0].device)
+        # the pool on this rank's GPU, else radixd's pool on another GPU it sees (one pool holds every rank's heads;
+        # each rank's copies then index it on its own device and move the rows across)
+        self.pools = self.client.map_pools(self.k[0].device, host=False, elsewhere=True)
         populate_in_background(self.pools.device)  # the first copy into each page takes no page fault
         dev = self.pools.device[0]
         d = dev.descriptor
@@ -313,6 +315,7 @@ class RadixdRadixCache(RadixCache):
                              f"has {want}, radixd has {have}; start radixd with matching --layers/--kv-heads/"
                              "--head-dim/--dtype (or --model-config)")
         self.rk, self.rv = dev.k_buffer, dev.v_buffer
+        self.pool_device = self.rk[0].device
         self.cuda = self.k[0].is_cuda
         self.stream = torch.cuda.Stream(device=self.k[0].device) if self.cuda else None
         # CPU, one rank: SGLang's and radixd's K and V as a row of bytes per page, copied by numpy a page per index
@@ -776,11 +779,12 @@ class RadixdRadixCache(RadixCache):
     def _copy_in(self, at: np.ndarray, dst: torch.Tensor) -> None:
         """radixd's KV at slots `at` into SGLang's at `dst` (this rank's heads)."""
         if self.cuda or not self._copy_cpu(False, at, dst.numpy()):
-            src = torch.from_numpy(at.copy()).to(self.k[0].device)
-            sh = self.shard
+            src = torch.from_numpy(at.copy()).to(self.pool_device)  # indices where the pool is (its GPU may differ)
+            sh, here = self.shard, self.k[0].device
+            dst = dst.to(here)
             for i in range(len(self.k)):  # index_select / index_copy_: several times faster than indexing
-                self.k[i].index_copy_(0, dst, self.rk[i].index_select(0, src)[:, sh])
-                self.v[i].index_copy_(0, dst, self.rv[i].index_select(0, src)[:, sh])
+                self.k[i].index_copy_(0, dst, self.rk[i].index_select(0, src)[:, sh].to(here, non_blocking=True))
+                self.v[i].index_copy_(0, dst, self.rv[i].index_select(0, src)[:, sh].to(here, non_blocking=True))
 
     # ------------------------------------------------------------- prefetch
     def _prefetch(self, prefix: np.ndarray) -> Optional[_Fetch]:
@@ -920,13 +924,14 @@ class RadixdRadixCache(RadixCache):
         if plan is None:
             return
         have, slots = plan
-        dst = torch.from_numpy(slots).to(self.k[0].device)
+        there = self.pool_device  # (radixd's pool, on this rank's GPU or another it sees)
+        dst = torch.from_numpy(slots).to(there)
         src = indices[have:n]
         self.stored_tokens += n - have
         sh = self.shard  # (TP: every rank writes its heads, then the lead publishes)
         for i in range(len(self.k)):
-            self.rk[i][dst, sh] = self.k[i][src]
-            self.rv[i][dst, sh] = self.v[i][src]
+            self.rk[i][dst, sh] = self.k[i][src].to(there)
+            self.rv[i][dst, sh] = self.v[i][src].to(there)
         self._barrier()
         if self.lead:
             self._publish(item)
@@ -973,11 +978,12 @@ class RadixdRadixCache(RadixCache):
             if after is not None:
                 self.stream.wait_event(after)
             with torch.cuda.stream(self.stream):
-                d = torch.from_numpy(np.array(dst, dtype=np.int64)).to(dev)
+                there = self.pool_device  # radixd's pool may be on another GPU than this rank's
+                d = torch.from_numpy(np.array(dst, dtype=np.int64)).to(there)
                 s = src.to(dev, torch.int64)
                 for i in range(len(self.k)):
-                    self.rk[i].index_copy_(0, d, self.k[i].index_select(0, s))
-                    self.rv[i].index_copy_(0, d, self.v[i].index_select(0, s))
+                    self.rk[i].index_copy_(0, d, self.k[i].index_select(0, s).to(there, non_blocking=True))
+                    self.rv[i].index_copy_(0, d, self.v[i].index_select(0, s).to(there, non_blocking=True))
             self.stream.synchronize()
 
     def _copy_slots(self, src: Any, dst: Any) -> None:

@@ -912,7 +912,7 @@ class _Worker:
         client = beside(cpus, lambda: CacheClient(self.conn.target, token=self.conn.token, attach=False))
         try:
             info = client.info()
-            self.pools = client.map_pools(self.layers[0].device)
+            self.pools = client.map_pools(self.layers[0].device, host=False)
         finally:
             client.close()
         beside(cpus, lambda: populate_in_background(

@@ -11,7 +11,8 @@
 """
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, ContextManager, Optional
 
 import numpy as np
 
@@ -195,12 +196,18 @@ class StatePool:
     def copy(self, src: np.ndarray, dst: np.ndarray) -> None:
         """Copy states slot to slot (copy-on-write at a hit: the tree's state into the request's own slot)."""
         pairs = list(zip(np.asarray(src, dtype=np.int64).tolist(), np.asarray(dst, dtype=np.int64).tolist()))
-        for view in self.views.values():
-            for s, d in pairs:  # a slot is one contiguous block per buffer: straight copies (device to device on
-                view[d] = view[s]  # a GPU), no gather temp
-        if self._device is not None:  # a worker reads the copy on its own stream as soon as the call returns
-            import cupy
-            cupy.cuda.get_current_stream().synchronize()
+        with on_device(self):  # the pool's GPU current (it need not be GPU 0)
+            for view in self.views.values():
+                for s, d in pairs:  # a slot is one contiguous block per buffer: straight copies (device to device
+                    view[d] = view[s]  # on a GPU), no gather temp
+            if self._device is not None:  # a worker reads the copy on its own stream as soon as the call returns
+                import cupy
+                cupy.cuda.get_current_stream().synchronize()
+
+    @property
+    def device_index(self) -> Optional[int]:
+        """The GPU the pool is on (None: shared memory)."""
+        return self._device.device_index if self._device is not None else None
 
     def close(self) -> None:
         self.views.clear()
@@ -219,16 +226,25 @@ def copy_states(src: StatePool, src_slots: np.ndarray, dst: StatePool, dst_slots
                                                    src.views[k].dtype != dst.views[k].dtype for k in src.views):
         raise ValueError("state pools differ in geometry or dtype")
     pairs = list(zip(np.asarray(src_slots, dtype=np.int64).tolist(), np.asarray(dst_slots, dtype=np.int64).tolist()))
-    for name, sv in src.views.items():
-        dv = dst.views[name]
-        for s, d in pairs:
-            if (src._device is None) == (dst._device is None):
-                dv[d] = sv[s]
-            elif src._device is not None:  # device -> host
-                sv[s].get(out=dv[d])
-            else:  # host -> device
-                dv[d].set(sv[s])
-    if src._device is not None or dst._device is not None:
-        import cupy
-        cupy.cuda.get_current_stream().synchronize()
+    with on_device(src if src._device is not None else dst):
+        for name, sv in src.views.items():
+            dv = dst.views[name]
+            for s, d in pairs:
+                if (src._device is None) == (dst._device is None):
+                    dv[d] = sv[s]
+                elif src._device is not None:  # device -> host
+                    sv[s].get(out=dv[d])
+                else:  # host -> device
+                    dv[d].set(sv[s])
+        if src._device is not None or dst._device is not None:
+            import cupy
+            cupy.cuda.get_current_stream().synchronize()
+
+
+def on_device(pool: "StatePool") -> ContextManager:
+    """The pool's GPU made current for CuPy work on it (nothing for a shared-memory pool)."""
+    if pool._device is None:
+        return contextlib.nullcontext()
+    import cupy
+    return cupy.cuda.Device(pool._device.device_index)
 

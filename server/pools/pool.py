@@ -24,6 +24,7 @@ class KVPool:
         self._region: ShmRegion | None = None
         self._device: Any = None
         self._pinned_at = 0
+        self._pin_device = device_index
         uuid, handle = "", b""
         if backend == "shm":
             self._region = ShmRegion(segment_name(instance_id, tier, index), size, create=True)
@@ -31,8 +32,15 @@ class KVPool:
             handle = self._region.name.encode()
             if pin:
                 from .cuda import pin_host
-                self._pinned_at = ctypes.addressof(ctypes.c_char.from_buffer(self._region.mm))
-                pin_host(self._pinned_at, self._region.size)
+                at = ctypes.addressof(ctypes.c_char.from_buffer(self._region.mm))
+                try:
+                    pin_host(at, self._region.size, device_index)
+                except BaseException:  # (a SIGTERM's exception too) the segment is ours alone: leave none behind
+                    del raw
+                    self._region.close()
+                    self._region = None
+                    raise
+                self._pinned_at = at
         elif backend == "cuda":
             from .cuda import DeviceAllocation
             self._device = DeviceAllocation(size, device_index)
@@ -68,7 +76,7 @@ class KVPool:
         self.views.clear()
         if self._pinned_at:
             from .cuda import unpin_host
-            unpin_host(self._pinned_at)
+            unpin_host(self._pinned_at, self._pin_device)
             self._pinned_at = 0
         if self._region is not None:
             self._region.close()

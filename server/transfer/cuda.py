@@ -6,6 +6,11 @@ pool's equally spaced buffers) or one contiguous copy (page_first). Load-back (h
 on the CPU into a pinned staging block, one host-to-device copy, one `index_copy_` scatter on the device.
 Every copy records an event; with `ipc=True` an interprocess event whose handle a worker's stream can wait
 on (`radixd.client.pools.wait_ipc_event`), so it never waits through the RPC. Imported only with a GPU.
+
+Limits a GPU sets, planned by the pure functions below (tested without one): a 2D copy's pitches may not exceed
+the device's maximum pitch (about 2 GiB; a larger layer_first host pool copies layer by layer instead), and
+staging memory is bounded (STAGING_BYTES per transfer, on the device and pinned on the host), a large transfer
+going through it in batches of pages.
 """
 from __future__ import annotations
 
@@ -18,6 +23,23 @@ from radixd.server.pools.pool import KVPool
 from .pages import chunk_view, pages_of, runs_of
 
 _D2H = 2  # cudaMemcpyDeviceToHost
+_ATTR_MAX_PITCH = 11  # cudaDevAttrMaxPitch
+STAGING_BYTES = 256 << 20  # staging a transfer may take at once (device gather and its transpose; pinned host)
+
+
+def plan_2d(dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int,
+            max_pitch: int) -> list[tuple[int, int, int, int, int, int]]:
+    """Copies (dst, dst_pitch, src, src_pitch, width, height) for `height` rows of `width` bytes: one 2D copy
+    while both pitches are within the device's limit, else one single-row copy per row."""
+    if dst_pitch <= max_pitch and src_pitch <= max_pitch:
+        return [(dst, dst_pitch, src, src_pitch, width, height)]
+    return [(dst + r * dst_pitch, width, src + r * src_pitch, width, width, 1) for r in range(height)]
+
+
+def batches(pages: int, page_bytes: int, copies: int, limit: int = STAGING_BYTES) -> list[tuple[int, int]]:
+    """[a, b) ranges of a transfer's pages whose staging (`copies` buffers of page_bytes a page) fits `limit`."""
+    per = max(1, limit // max(1, page_bytes * copies))
+    return [(a, min(a + per, pages)) for a in range(0, pages, per)]
 
 
 class CudaPageCopier:
@@ -45,6 +67,9 @@ class CudaPageCopier:
         self._layer_stride = self._np_host.strides[1]
         self.stream = torch.cuda.Stream(self.device)
         self._staging: Optional[Any] = None  # pinned host block for load-backs, grown on demand
+        import cupy
+        with cupy.cuda.Device(self.device.index):
+            self.max_pitch = cupy.cuda.runtime.deviceGetAttribute(_ATTR_MAX_PITCH, self.device.index)
 
     def _pinned(self, pages: int) -> Any:
         if self._staging is None or self._staging.shape[0] < pages:
@@ -58,11 +83,16 @@ class CudaPageCopier:
         if sp.shape != dp.shape:
             raise ValueError("source and destination page counts differ")
         event = t.cuda.Event(interprocess=True) if ipc else t.cuda.Event()
+        page_bytes = self._lk * self._chunk
         with t.cuda.device(self.device), t.cuda.stream(self.stream):
-            if sp.size and self.d2h:
-                self._backup(sp, dp)
-            elif sp.size:
-                self._load(sp, dp)
+            parts = batches(sp.size, page_bytes, 2 if self.d2h else 1)
+            for a, b in parts:
+                if self.d2h:
+                    self._backup(sp[a:b], dp[a:b])
+                else:
+                    if a:  # the pinned staging block is reused: the previous batch's copy must have read it
+                        self.stream.synchronize()
+                    self._load(sp[a:b], dp[a:b])
             event.record(self.stream)
         return event, (bytes(event.ipc_handle()) if ipc else b"")
 
@@ -81,10 +111,10 @@ class CudaPageCopier:
         n = sp.size
         host0 = self._np_host.__array_interface__["data"][0]
         for a, b in runs_of(dp):
-            cupy.cuda.runtime.memcpy2DAsync(
-                host0 + int(dp[a]) * self._chunk, self._layer_stride,
-                by_layer.data_ptr() + a * self._chunk, n * self._chunk,
-                (b - a) * self._chunk, self._lk, _D2H, self.stream.cuda_stream)
+            for d, dpitch, s, spitch, w, h in plan_2d(host0 + int(dp[a]) * self._chunk, self._layer_stride,
+                                                      by_layer.data_ptr() + a * self._chunk, n * self._chunk,
+                                                      (b - a) * self._chunk, self._lk, self.max_pitch):
+                cupy.cuda.runtime.memcpy2DAsync(d, dpitch, s, spitch, w, h, _D2H, self.stream.cuda_stream)
         self._keep = by_layer  # alive until the event: the copies still read it
 
     def _load(self, sp: np.ndarray, dp: np.ndarray) -> None:

@@ -68,13 +68,14 @@ def test_pinned_host_pool_and_copy_bandwidth():
     host = KVPool(spec.with_slots(8192, "layer_first"), "host", dev.instance_id, backend="shm", pin=True)
     try:
         assert host.descriptor.pinned
-        d, h = map_pool(dev.descriptor), map_pool(host.descriptor)
+        # the exporting process uses its own views: CUDA cannot open an IPC handle where it was made
+        d = torch.as_tensor(dev.layer(0, "k"), device=f"cuda:{dev.descriptor.device_index}")
+        h = map_pool(host.descriptor)  # shared memory maps anywhere
         assert h.k_buffer[0].device.type == "cpu"
-        d.k_buffer[0].fill_(1.5)
-        h.k_buffer[0].copy_(d.k_buffer[0], non_blocking=True)
+        d.fill_(1.5)
+        h.k_buffer[0].copy_(d, non_blocking=True)
         torch.cuda.synchronize()
         assert float(h.k_buffer[0][77, 3, 5]) == 1.5
-        d.close()
         h.close()
     finally:
         host.close()
