@@ -56,10 +56,10 @@ class Inbox:
         except RuntimeError:  # rung already
             pass
 
-    def wait(self, ready: Callable[[], bool]) -> None:
+    def wait(self, ready: Callable[[], bool], until: Callable[[], Optional[float]] = lambda: None) -> None:
         """The thread's side: until ready(), polling each tick while work came within `rest`, else asleep until rung
-        (a post before `_asleep` is set is seen by the check after it; one after it rings); not polling, asleep
-        whenever there is nothing to do."""
+        (a post before `_asleep` is set is seen by the check after it; one after it rings) or until the monotonic
+        time `until()` names (None: no deadline); not polling, asleep whenever there is nothing to do."""
         while not ready():
             if self.poll and (time.monotonic() - self._last < self.rest or self.items):  # (work held back polls,
                 # never sleeps)
@@ -67,7 +67,11 @@ class Inbox:
                 continue
             self._asleep = True
             if not ready():
-                self._bell.acquire()
+                deadline = until()
+                if deadline is None:
+                    self._bell.acquire()
+                else:
+                    self._bell.acquire(timeout=max(deadline - time.monotonic(), 0.001))
             self._asleep = False
         self._last = time.monotonic()
 
@@ -294,11 +298,16 @@ class Stores:
     an Unlock."""
 
     def __init__(self, client: CacheClient, page: int, stock_max: int, linger: float = 0.002, hybrid: bool = False,
-                 states: int = 0, capacity: int = 0, prime: int = 0, tick: float = 0.005):
+                 states: int = 0, capacity: int = 0, prime: int = 0, tick: float = 0.005, idle_return: float = 5.0):
         self.client, self.page, self.stock_max, self.linger = client, page, stock_max, linger
         # the stock grows by doubling up to this: at most an eighth of the server (`capacity` tokens, 0: unknown),
-        # so that slots held ready never crowd out the cache of a small server
+        # so that slots held ready never crowd out the cache of a small server; a store larger than that takes its
+        # shortfall in a one-off Alloc, never kept
         self.grow_max = min(stock_max, capacity // 8) if capacity else stock_max
+        self._bound = max(self.grow_max // page, 0)  # most pages the stock holds
+        self._need = 0  # pages a waiting take needs now (more than the stock holds: one refill serves it)
+        self.idle_return = idle_return  # seconds without a take after which the stock goes back to radixd
+        self._last_take = time.monotonic()
         self.hybrid = hybrid  # a hybrid model's server: the stock keeps each page's SWA twin page too
         self.states_max = states  # most state slots held ready (0: the model has no state layers)
         self._twins = np.zeros((0, page), np.int64)
@@ -380,11 +389,13 @@ class Stores:
         with self._mu:  # the plain lock (a Condition's `with` is a Python call): this runs on the scheduler thread
             self._taken += n
             self._taken_states += states
-            self._want = max(self._want, min(2 * self._taken, max(self.stock_max // self.page, n)))
+            self._last_take = time.monotonic()
+            self._want = max(self._want, min(2 * self._taken, self._bound))
             if states:
                 self._want_states = max(self._want_states, min(2 * self._taken_states, max(self.states_max, states)))
             short = len(self._stock) < n or len(self._states) < states
             if short and wait > 0:
+                self._need = max(self._need, n)  # (past the bound: the refill allocates it, once)
                 self._inbox.ring()
                 self._cv.wait_for(lambda: (len(self._stock) >= n and len(self._states) >= states) or self._stop, wait)
                 short = len(self._stock) < n or len(self._states) < states
@@ -403,8 +414,36 @@ class Stores:
             return got
 
     def _needs_refill(self) -> bool:
-        return (self._want > 0 and len(self._stock) <= self._want // 2) or \
+        return (self._want > 0 and len(self._stock) <= self._want // 2) or len(self._stock) < self._need or \
             (self._want_states > 0 and len(self._states) <= self._want_states // 2)
+
+    def _idle_deadline(self) -> Optional[float]:
+        """When a stock left untouched goes back to radixd (None: nothing stocked)."""
+        if not len(self._stock) and not len(self._states):
+            return None
+        return self._last_take + self.idle_return
+
+    def _stock_idle(self) -> bool:
+        deadline = self._idle_deadline()
+        return deadline is not None and time.monotonic() >= deadline and not self._inbox.items
+
+    def _return_stock(self) -> None:
+        """An idle engine's stock goes back to radixd (the next stores grow it again from nothing)."""
+        with self._cv:
+            stock, self._stock = self._stock, np.zeros((0, self.page), np.int64)
+            states, self._states = self._states, EMPTY
+            twins, self._twins = self._twins, np.zeros((0, self.page), np.int64)
+            self._heads = []
+            self._want = self._want_states = self._taken = self._taken_states = 0
+        try:
+            if self.hybrid and (len(stock) or len(states)):
+                self.rpcs += 1
+                self.client.free_hybrid(stock.reshape(-1), states=states)
+            elif len(stock):
+                self.rpcs += 1
+                self.client.free(stock.reshape(-1))
+        except RadixdError as e:  # (the session ended, or the server went: radixd dropped them already)
+            log.info("radixd slot stock return failed: %s", e)
 
     def flush(self) -> None:
         """The engine's scheduler step ended: its work goes to radixd in one round now (`stepped`)."""
@@ -427,9 +466,12 @@ class Stores:
     def _run(self) -> None:
         inbox = self._inbox
         while True:
-            inbox.wait(lambda: self._due() or self._needs_refill())
+            inbox.wait(lambda: self._due() or self._needs_refill() or self._stock_idle(), self._idle_deadline)
             if self._stop and not inbox.items:
                 return
+            if self._stock_idle() and not self._due() and not self._needs_refill():
+                self._return_stock()
+                continue
             due = self._due()  # else a refill alone: the step's work waits for its end
             if due and self.linger and not self._stop and not self.stepped:  # a step's publishes into one call
                 time.sleep(self.linger)
@@ -511,7 +553,8 @@ class Stores:
         """On this thread: n stocked pages (fewer if radixd has fewer), after one Alloc when the stock is short."""
         with self._cv:
             self._taken += n
-            self._want = max(self._want, min(2 * self._taken, max(self.stock_max // self.page, n)))
+            self._last_take = time.monotonic()
+            self._want = max(self._want, min(2 * self._taken, self._bound))
             short = len(self._stock) < n
         if short:  # (to what the stock should hold after the take: no second Alloc after the round)
             self._refill(n + self._want)
@@ -648,11 +691,12 @@ class Stores:
         with self._cv:
             refill = self._needs_refill() or len(self._stock) < need
             if refill:  # stores keep coming: a larger stock next time (one Alloc per more requests)
-                self._want = max(self._want, min(2 * self._want, self.grow_max // self.page))
+                self._want = max(self._want, min(2 * self._want, self._bound))
                 self._want_states = max(self._want_states, min(2 * self._want_states, self.states_max))
+            need = max(need, self._need)
             short = max(self._want - len(self._stock), need - len(self._stock), 0) if refill else 0
             short_states = max(self._want_states - len(self._states), 0) if refill else 0
-            self._taken = self._taken_states = 0
+            self._taken = self._taken_states = self._need = 0
         if short <= 0 and short_states <= 0:
             return
         twins, states = None, EMPTY

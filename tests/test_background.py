@@ -176,6 +176,41 @@ def test_the_slot_stock_grows_so_one_alloc_serves_many_stores_and_never_past_an_
             srv.stop()
 
 
+def test_large_stores_never_leave_the_stock_past_its_bound_and_an_idle_stock_goes_back():
+    """A vLLM engine's stores of 1024 tokens on a radixd of 2688 used to leave 1024 slots held while it idled (the
+    target grew to the request's size): each large store takes its shortfall once, the stock stays within an eighth
+    of the server, and once the engine stops storing the whole stock goes back to radixd within its idle time."""
+    srv = ServerProc("--num-slots", "2688", "--page-size", str(PAGE))
+    c, probe = CacheClient(srv.target, name="engine"), CacheClient(srv.target, name="probe")
+    bound = 2688 // 8
+    stores = Stores(c, PAGE, 8192, capacity=probe.info()["capacity_tokens"], idle_return=0.5)
+    try:
+        for _ in range(6):  # a 1024-token prompt's pages, as the scheduler asks for them
+            got = stores.take_pages(1024 // PAGE, wait=5)
+            assert got is not None and got.size == 1024
+            stores.free(got.reshape(-1))
+            _settle(stores)
+            assert stores.stocked() <= bound, stores.stocked()
+            assert probe.stats()["held_tokens"] == stores.stocked()
+        small = stores.take_pages(2, wait=5)  # small stores grow it up to the bound at most
+        assert small is not None
+        stores.free(small.reshape(-1))
+        _settle(stores)
+        assert 0 < stores.stocked() <= bound
+        end = time.monotonic() + 10  # idle: the stock goes back (bounded wait for the store thread's deadline)
+        while probe.stats()["held_tokens"] and time.monotonic() < end:
+            time.sleep(0.02)
+        assert stores.stocked() == 0 and probe.stats()["held_tokens"] == 0 and probe.check() == []
+        again = stores.take_pages(2, wait=5)  # and the next store grows it anew
+        assert again is not None and again.size == 2 * PAGE
+        stores.free(again.reshape(-1))
+    finally:
+        stores.close()
+        c.close()
+        probe.close()
+        srv.stop()
+
+
 def _consume(inbox: Inbox, got: list, done: threading.Event) -> threading.Thread:
     def run() -> None:
         inbox.wait(lambda: bool(inbox.items))
