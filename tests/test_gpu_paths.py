@@ -186,3 +186,32 @@ def server_with_host():
     s = ServerProc("--num-slots", "256", "--host-slots", "512")
     yield s
     s.stop()
+
+
+def test_sglang_ranks_write_their_heads_and_any_split_reads_them_back():
+    """The SGLang backend's row copies (radixd.sglang.copies, no SGLang import): two TP ranks store their halves of
+    the heads into one pool, and a TP-1 engine and each rank load back exactly the heads the model computed."""
+    import torch
+
+    from radixd.sglang.copies import load_rows, store_rows
+    layers, heads, dim, slots = 3, 4, 8, 64
+    full = [torch.randn(32, heads, dim) for _ in range(layers)]  # the model's K per layer, all heads, 32 tokens
+    fullv = [-x for x in full]
+    rk = [torch.zeros(slots, heads, dim) for _ in range(layers)]
+    rv = [torch.zeros(slots, heads, dim) for _ in range(layers)]
+    dst = np.arange(16, 48)
+    src = torch.arange(32)
+    for rank in range(2):  # each rank's engine buffers hold its own heads only
+        sh = slice(rank * 2, rank * 2 + 2)
+        store_rows([x[:, sh].contiguous() for x in full], [x[:, sh].contiguous() for x in fullv], rk, rv, src, dst, sh)
+    for i in range(layers):
+        assert torch.equal(rk[i][16:48], full[i]) and torch.equal(rv[i][16:48], fullv[i])
+        assert not rk[i][:16].any() and not rk[i][48:].any()
+    one_k = [torch.zeros(40, heads, dim) for _ in range(layers)]  # a TP-1 engine's buffers
+    one_v = [torch.zeros(40, heads, dim) for _ in range(layers)]
+    load_rows(one_k, one_v, rk, rv, dst, torch.arange(8, 40), slice(0, heads))
+    assert all(torch.equal(one_k[i][8:40], full[i]) and torch.equal(one_v[i][8:40], fullv[i]) for i in range(layers))
+    half = [torch.zeros(32, 2, dim) for _ in range(layers)]
+    halfv = [torch.zeros(32, 2, dim) for _ in range(layers)]
+    load_rows(half, halfv, rk, rv, dst, torch.arange(32), slice(2, 4))  # rank 1 reads its heads
+    assert all(torch.equal(half[i], full[i][:, 2:4]) for i in range(layers))

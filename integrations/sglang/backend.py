@@ -72,6 +72,8 @@ from radixd.client.events import MEDIA, LocalIndex
 from radixd.client.pools import populate_in_background
 from radixd.server.config import DEFAULT_SOCKET
 
+from .copies import load_rows, store_rows
+
 try:  # (optional: the same copies by numpy without it)
     from radixd.client._pagecopy import copy_pages as _copy_pages_native
 except ImportError:
@@ -315,7 +317,6 @@ class RadixdRadixCache(RadixCache):
                              f"has {want}, radixd has {have}; start radixd with matching --layers/--kv-heads/"
                              "--head-dim/--dtype (or --model-config)")
         self.rk, self.rv = dev.k_buffer, dev.v_buffer
-        self.pool_device = self.rk[0].device
         self.cuda = self.k[0].is_cuda
         self.stream = torch.cuda.Stream(device=self.k[0].device) if self.cuda else None
         # CPU, one rank: SGLang's and radixd's K and V as a row of bytes per page, copied by numpy a page per index
@@ -779,12 +780,7 @@ class RadixdRadixCache(RadixCache):
     def _copy_in(self, at: np.ndarray, dst: torch.Tensor) -> None:
         """radixd's KV at slots `at` into SGLang's at `dst` (this rank's heads)."""
         if self.cuda or not self._copy_cpu(False, at, dst.numpy()):
-            src = torch.from_numpy(at.copy()).to(self.pool_device)  # indices where the pool is (its GPU may differ)
-            sh, here = self.shard, self.k[0].device
-            dst = dst.to(here)
-            for i in range(len(self.k)):  # index_select / index_copy_: several times faster than indexing
-                self.k[i].index_copy_(0, dst, self.rk[i].index_select(0, src)[:, sh].to(here, non_blocking=True))
-                self.v[i].index_copy_(0, dst, self.rv[i].index_select(0, src)[:, sh].to(here, non_blocking=True))
+            load_rows(self.k, self.v, self.rk, self.rv, at, dst, self.shard)
 
     # ------------------------------------------------------------- prefetch
     def _prefetch(self, prefix: np.ndarray) -> Optional[_Fetch]:
@@ -924,14 +920,9 @@ class RadixdRadixCache(RadixCache):
         if plan is None:
             return
         have, slots = plan
-        there = self.pool_device  # (radixd's pool, on this rank's GPU or another it sees)
-        dst = torch.from_numpy(slots).to(there)
-        src = indices[have:n]
         self.stored_tokens += n - have
-        sh = self.shard  # (TP: every rank writes its heads, then the lead publishes)
-        for i in range(len(self.k)):
-            self.rk[i][dst, sh] = self.k[i][src].to(there)
-            self.rv[i][dst, sh] = self.v[i][src].to(there)
+        # (TP: every rank writes its heads, then the lead publishes)
+        store_rows(self.k, self.v, self.rk, self.rv, indices[have:n], slots, self.shard)
         self._barrier()
         if self.lead:
             self._publish(item)
@@ -977,13 +968,8 @@ class RadixdRadixCache(RadixCache):
         with torch.cuda.device(dev):  # (the current device is per thread)
             if after is not None:
                 self.stream.wait_event(after)
-            with torch.cuda.stream(self.stream):
-                there = self.pool_device  # radixd's pool may be on another GPU than this rank's
-                d = torch.from_numpy(np.array(dst, dtype=np.int64)).to(there)
-                s = src.to(dev, torch.int64)
-                for i in range(len(self.k)):
-                    self.rk[i].index_copy_(0, d, self.k[i].index_select(0, s).to(there, non_blocking=True))
-                    self.rv[i].index_copy_(0, d, self.v[i].index_select(0, s).to(there, non_blocking=True))
+            with torch.cuda.stream(self.stream):  # (radixd's pool may be on another GPU than this rank's)
+                store_rows(self.k, self.v, self.rk, self.rv, src, np.asarray(dst), self.shard)
             self.stream.synchronize()
 
     def _copy_slots(self, src: Any, dst: Any) -> None:

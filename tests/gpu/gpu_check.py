@@ -12,7 +12,9 @@
   layer_first host pool whose per-layer buffer is over 2 GiB (past the device's 2D-copy pitch);
 * bandwidth: backup and load-back of a large transfer at >= 80% of a plain pinned copy of the same bytes;
 * a state pool on the last GPU copies on that GPU (not GPU 0);
-* vLLM's FlashAttention block copies (integrations/vllm/layout.py) on CUDA tensors equal the CPU's.
+* vLLM's FlashAttention block copies (integrations/vllm/layout.py) on CUDA tensors equal the CPU's, and the SGLang
+  backend's rank copies (integrations/sglang/copies.py) store and load every head, the pool on another GPU than
+  the ranks' where there are two.
 """
 from __future__ import annotations
 
@@ -307,6 +309,27 @@ def main() -> int:
         assert torch.equal(out[1][1][0:16], torch.arange(128 * 4 * 64, dtype=torch.float32).view(128, 4, 64)
                            .to(torch.bfloat16)[16:32])
         return "load and save"
+
+    @check
+    def sglang_rank_copies_on_cuda_across_gpus():
+        from radixd.sglang.copies import load_rows, store_rows  # (no SGLang import)
+        pool_dev, rank_dev = f"cuda:{last}", "cuda:0"  # with two GPUs, a rank on GPU 0 and the pool on the last
+        layers, heads, dim = 2, 4, 64
+        full = [torch.randn(32, heads, dim, device=rank_dev).to(torch.bfloat16) for _ in range(layers)]
+        rk = [torch.zeros(128, heads, dim, dtype=torch.bfloat16, device=pool_dev) for _ in range(layers)]
+        rv = [torch.zeros_like(x) for x in rk]
+        dst = np.arange(32, 64)
+        for rank in range(2):
+            sh = slice(2 * rank, 2 * rank + 2)
+            store_rows([x[:, sh].contiguous() for x in full], [(-x)[:, sh].contiguous() for x in full], rk, rv,
+                       torch.arange(32, device=rank_dev), dst, sh)
+        torch.cuda.synchronize()
+        back = [torch.zeros(32, heads, dim, dtype=torch.bfloat16, device=rank_dev) for _ in range(layers)]
+        backv = [torch.zeros_like(x) for x in back]
+        load_rows(back, backv, rk, rv, dst, torch.arange(32, device=rank_dev), slice(0, heads))
+        torch.cuda.synchronize()
+        assert all(torch.equal(back[i], full[i]) and torch.equal(backv[i], -full[i]) for i in range(layers))
+        return f"pool on {pool_dev}, ranks on {rank_dev}"
 
     return summary()
 

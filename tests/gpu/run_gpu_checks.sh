@@ -19,6 +19,7 @@ ln -s "$PWD/server" "$shim/radixd/server"
 ln -s "$PWD/client" "$shim/radixd/client"
 ln -s "$PWD/proto" "$shim/radixd/proto"
 ln -s "$PWD/integrations/vllm" "$shim/radixd/vllm"
+ln -s "$PWD/integrations/sglang" "$shim/radixd/sglang"
 export PYTHONPATH="$shim${PYTHONPATH:+:$PYTHONPATH}"
 gpus=$(nvidia-smi -L 2>/dev/null | grep -c "UUID: GPU-")
 if [ "$gpus" -gt 0 ]; then
