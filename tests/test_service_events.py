@@ -150,10 +150,10 @@ def test_events_over_grpc_and_zmq_rebuild_the_cache(events_server, tmp_path):
         adapters = 0
         for toks, salt, lora in prompts:  # the index answers what the cache itself answers
             m = c.match_prefix(toks, cache_salt=salt, extra_key=lora)
-            got = by_grpc.match(toks, cache_salt=salt)["n"]
+            got = by_grpc.match(toks, cache_salt=salt, extra_key=lora)["n"]
             assert got == {"GPU": m.matched_len // PAGE, "any": (m.matched_len + m.host_hit_len) // PAGE}
             if m.matched_len + m.host_hit_len:  # each block says which adapter it belongs to
-                first = str(token_block_hashes(toks, PAGE, salt)[0])
+                first = str(token_block_hashes(toks, PAGE, salt, lora)[0])
                 for name, dec in engines.items():
                     assert dec["lora"][first] == (lora or None), (name, lora)
                 adapters += bool(lora)

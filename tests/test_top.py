@@ -26,8 +26,8 @@ def test_top_prints_live_frames_of_a_busy_server(server):
         c.insert(toks, c.alloc(256))
         m = c.match_prefix(toks, lock=True)
         p = subprocess.Popen(CLI + ["top", "--target", server.target, "--interval", "0.3", "--iterations", "3"],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={"COLUMNS": "160",
-                                                                                               **__import__("os").environ})
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env={**__import__("os").environ, "COLUMNS": "160"})  # (wide enough, whatever is set)
         for _ in range(200):  # traffic while top watches
             c.match_prefix(toks)
         out, err = p.communicate(timeout=60)
