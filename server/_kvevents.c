@@ -79,10 +79,12 @@ static int64_t block_hash(const unsigned char *d) {
 /* The published block hash of a digest: namespaced by its namespace's event seed when it has one (hashes.py). */
 static int64_t pub_hash(const unsigned char *seed, const unsigned char *d) {
     if (!seed) return block_hash(d);
-    unsigned char buf[DIG + 8], out[DIG];
-    memcpy(buf, seed, DIG);
-    memcpy(buf + DIG, d, 8);
-    SHA256(buf, sizeof buf, out);
+    unsigned char out[DIG];
+    SHA256_CTX s;  /* (the low-level context: OpenSSL 3's one-shot SHA256() fetches an EVP method per call) */
+    SHA256_Init(&s);
+    SHA256_Update(&s, seed, DIG);
+    SHA256_Update(&s, d, 8);
+    SHA256_Final(out, &s);
     return block_hash(out);
 }
 
