@@ -1,6 +1,6 @@
 """radixd's GPU checks beyond the pytest suite, strict: where nvidia-smi sees a GPU, nothing here may skip.
 
-    python3 tests/gpu/gpu_check.py            (run_gpu_checks.sh calls it; prints one SUMMARY line last)
+    python3 tests/gpu/gpu_check.py            (run_gpu_checks.sh calls it, then prints the one SUMMARY line)
 
 * the stack: torch's CUDA build and CuPy import and see the GPUs nvidia-smi lists (a missing or CPU-only one fails);
 * UUIDs: radixd's read of every GPU's UUID equals nvidia-smi's and torch's, zero bytes included;
@@ -105,7 +105,7 @@ def main() -> int:
     sys.path.insert(0, ROOT)
     smi = nvidia_smi_uuids()
     if not smi:
-        print("SUMMARY gpu_check: no GPU listed by nvidia-smi: nothing checked")
+        print("gpu_check: no GPU listed by nvidia-smi: nothing checked")
         return 0
 
     @check
@@ -336,7 +336,7 @@ def main() -> int:
 
 def summary() -> int:
     failed = [name for name, ok, _ in RESULTS if not ok]
-    print(f"SUMMARY gpu_check: {len(RESULTS) - len(failed)} passed, {len(failed)} failed"
+    print(f"gpu_check: {len(RESULTS) - len(failed)} passed, {len(failed)} failed"
           + (f" ({', '.join(failed)})" if failed else ""))
     return 1 if failed else 0
 
