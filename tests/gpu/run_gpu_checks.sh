@@ -27,7 +27,8 @@ if [ "$gpus" -gt 0 ]; then
   python3 -c "import cupy, torch; assert torch.cuda.is_available() and cupy.cuda.runtime.getDeviceCount() > 0" \
     || { echo "SUMMARY tests_exit=1 gpu_check_exit=1 (nvidia-smi lists $gpus GPU(s) but torch or CuPy cannot use them)"; exit 1; }
 fi
-timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu tests/test_tree.py tests/test_pools.py \
+# (the ini's addopts ask for pytest-xdist, which a GPU host's image may lack: one process here)
+timeout 300 python3 -m pytest -q -o addopts="-ra" -p no:cacheprovider tests/gpu tests/test_tree.py tests/test_pools.py \
   tests/test_gpu_paths.py 2>&1 | tail -25
 status=${PIPESTATUS[0]}
 timeout 400 python3 tests/gpu/gpu_check.py 2>&1 | tail -40
