@@ -1,12 +1,14 @@
-"""NVIDIA Dynamo's own KV indexer follows radixd's ZMQ events and answers what radixd holds.
+"""NVIDIA Dynamo's own KV indexer and KV router follow radixd's ZMQ events and answer what radixd holds.
 
 Dynamo's standalone indexer (`python -m dynamo.indexer`, ai-dynamo-runtime in its own venv that .ci/run builds)
 subscribes to radixd's PUB socket as it would to an engine's, hashes each event's `token_ids` with its
-`lora_name` its own way, and identifies a worker's pages by the events' `block_hashes`. After every phase its
-overlap answer for each prompt must equal radixd's MatchPrefix, in pages on the device ("gpu") and on device or
-host ("cpu"): shared prefixes with unaligned tails, the same tokens under two adapters and two salts with one
-copy evicted and then all, host demotion and load-back, a worker registered late that replays what it missed
-from radixd's replay socket, and a reset. radixd's gRPC stream rebuilds the same index (BlockIndex).
+`lora_name` its own way, and identifies a worker's pages by the events' `block_hashes`; Dynamo's `KvRouter`, fed
+by a `KvEventPublisher` relaying the same socket (tests/dynamo_router_check.py), does the same in a Dynamo
+runtime. After every phase their overlap answers for each prompt must equal radixd's MatchPrefix, in pages on the
+device and on device or host: shared prefixes with unaligned tails, the same tokens under two adapters and two
+salts with one copy evicted and then all, host demotion and load-back, a worker registered late (the indexer's)
+that replays what it missed from radixd's replay socket, and a reset. radixd's gRPC stream rebuilds the same
+index (BlockIndex).
 """
 from __future__ import annotations
 
@@ -76,6 +78,28 @@ class Indexer:
         self.proc.wait()
 
 
+class Router:
+    """Dynamo's KvRouter in its venv (tests/dynamo_router_check.py), asked for overlaps over a pipe."""
+
+    def __init__(self, pub: str):
+        import os
+        self.proc = subprocess.Popen([DYNAMO, os.path.join(os.path.dirname(__file__), "dynamo_router_check.py"), pub,
+                                      str(PAGE)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, text=True)
+        line = self.proc.stdout.readline()
+        assert line.strip() == "ready", f"Dynamo's router did not start: {line!r}"
+
+    def pages(self, tokens, lora: str, salt: str) -> dict[str, int]:
+        self.proc.stdin.write(json.dumps(dict(tokens=[int(t) for t in tokens], lora=lora or None,
+                                              salt=salt or None)) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
 def _truth(c: CacheClient, prompts) -> list[dict[str, int]]:
     """What radixd holds of each prompt, in pages (MatchPrefix without a lock changes no placement)."""
     out = []
@@ -85,13 +109,16 @@ def _truth(c: CacheClient, prompts) -> list[dict[str, int]]:
     return out
 
 
-def _agree(c: CacheClient, ix: Indexer, workers, prompts, idx: BlockIndex, what: str) -> list[dict[str, int]]:
-    """Wait until each worker's Dynamo view and the gRPC-fed BlockIndex equal radixd's answers (events arrive
-    asynchronously), then return them; fails with both views past the deadline."""
+def _agree(c: CacheClient, ix: Indexer, workers, prompts, idx: BlockIndex, what: str,
+           router: "Router | None" = None) -> list[dict[str, int]]:
+    """Wait until each worker's Dynamo view (the indexer's, and the router's), and the gRPC-fed BlockIndex equal
+    radixd's answers (events arrive asynchronously), then return them; fails with every view past the deadline."""
     want = _truth(c, prompts)
     end = time.monotonic() + 30
     while True:
         views = {w: [ix.pages(w, t, lora, salt) for t, lora, salt in prompts] for w in workers}
+        if router is not None:
+            views["router"] = [router.pages(t, lora, salt) for t, lora, salt in prompts]
         mine = [idx.match(t, cache_salt=salt, extra_key=lora)["n"] for t, lora, salt in prompts]
         if all(v == want for v in views.values()) and mine == want:
             return want
@@ -119,12 +146,23 @@ def test_dynamos_indexer_agrees_with_match_prefix_through_every_phase():
     srv = ServerProc("--num-slots", "2048", "--page-size", str(PAGE), "--host-slots", "4096", "--kv-events",
                      "--kv-events-endpoint", pub, "--kv-events-replay-endpoint", replay)
     ix = Indexer()
+    router = Router(pub)
     idx = BlockIndex(PAGE)
     rng = np.random.default_rng(56)
     try:
         with CacheClient(srv.target) as c:
             ix.register(1, pub, replay)
             idx.follow_grpc("n", srv.target, snapshot=True, retry_s=0.05)
+            # the router's subscription is live once it sees a probe (a PUB drops what comes before that)
+            probe = np.arange(40000, 40000 + PAGE, dtype=np.int32)
+            end = time.monotonic() + 30
+            while router.pages(probe, "", "")["GPU"] == 0:
+                assert time.monotonic() < end, "Dynamo's router never saw radixd's events"
+                _store(c, probe, "", "")
+                time.sleep(0.05)
+            c.evict(4096)
+            c.evict_host(8192)
+            _agree(c, ix, [1], [(probe, "", "")], idx, "the probe gone", router)
             # 1. shared prefixes with unaligned tails, in the default namespace
             roots = [rng.integers(0, 30000, int(rng.integers(3, 7)) * PAGE, dtype=np.int32) for _ in range(4)]
             prompts = []
@@ -134,53 +172,54 @@ def test_dynamos_indexer_agrees_with_match_prefix_through_every_phase():
                                        rng.integers(0, 30000, int(rng.integers(1, 2 * PAGE)), dtype=np.int32)])
                 _store(c, toks, "", "")
                 prompts.append((toks, "", ""))
-            first = _agree(c, ix, [1], prompts, idx, "shared prefixes")
+            first = _agree(c, ix, [1], prompts, idx, "shared prefixes", router)
             assert sum(v["GPU"] for v in first) > 20
             # 2. the same tokens in five namespaces: two adapters, two salts, the default
             same = roots[0][:3 * PAGE]
             spaces = [(same, lora, salt) for lora, salt in SPACES]
             for toks, lora, salt in spaces:
                 _store(c, toks, lora, salt)
-            assert _agree(c, ix, [1], spaces, idx, "five namespaces") == [{"GPU": 3, "any": 3}] * 5
+            assert _agree(c, ix, [1], spaces, idx, "five namespaces", router) == [{"GPU": 3, "any": 3}] * 5
             # one copy (adapter-b's) leaves the device and then the host; the others stay where they are
             held = [c.match_prefix(t, lock=True, extra_key=lora, cache_salt=salt).receipt_id
                     for t, lora, salt in spaces if lora != "adapter-b"]
             held += [c.match_prefix(t, lock=True).receipt_id for t, _, _ in prompts]
             c.evict(4096)
             c.evict_host(4096)
-            got = _agree(c, ix, [1], spaces + prompts, idx, "adapter-b's copy evicted")
+            got = _agree(c, ix, [1], spaces + prompts, idx, "adapter-b's copy evicted", router)
             assert got[2] == {"GPU": 0, "any": 0} and got[1] == got[0] == {"GPU": 3, "any": 3}
             c.unlock(held)
             # 3. the host tier: everything demoted (write-through backed it up), then one prompt loaded back
             c.evict(4096)
-            got = _agree(c, ix, [1], spaces + prompts, idx, "demoted to host")
+            got = _agree(c, ix, [1], spaces + prompts, idx, "demoted to host", router)
             assert all(v["GPU"] == 0 for v in got) and got[0]["any"] == 3
             m = c.match_prefix(prompts[0][0], lock=True)
             lb = c.load_back(m.receipt_id)
             c.wait_transfers([lb.transfer_id])
             c.unlock([lb.receipt_id])
-            got = _agree(c, ix, [1], spaces + prompts, idx, "loaded back")
+            got = _agree(c, ix, [1], spaces + prompts, idx, "loaded back", router)
             assert got[len(spaces)]["GPU"] >= 1
             # 4. a worker registered late replays every batch it missed from radixd's replay socket
             ix.register(2, pub, replay)
             _store(c, rng.integers(0, 30000, 2 * PAGE, dtype=np.int32), "adapter-a", "")  # its first live batch
-            _agree(c, ix, [1, 2], spaces + prompts, idx, "a late worker's replay")
+            _agree(c, ix, [1, 2], spaces + prompts, idx, "a late worker's replay", router)
             # every copy of the shared tokens leaves both tiers: no namespace's page is left behind in Dynamo
             c.evict(4096)
             c.evict_host(8192)
-            got = _agree(c, ix, [1, 2], spaces + prompts, idx, "everything evicted")
+            got = _agree(c, ix, [1, 2], spaces + prompts, idx, "everything evicted", router)
             assert all(v == {"GPU": 0, "any": 0} for v in got)
             # 5. new traffic, then a reset clears Dynamo's view too
             for toks, lora, salt in spaces:
                 _store(c, toks, lora, salt)
-            assert _agree(c, ix, [1, 2], spaces, idx, "stored again") == [{"GPU": 3, "any": 3}] * 5
+            assert _agree(c, ix, [1, 2], spaces, idx, "stored again", router) == [{"GPU": 3, "any": 3}] * 5
             c.reset()
-            got = _agree(c, ix, [1, 2], spaces, idx, "reset")
+            got = _agree(c, ix, [1, 2], spaces, idx, "reset", router)
             assert all(v == {"GPU": 0, "any": 0} for v in got)
     except AssertionError:
         print(ix.output())
         raise
     finally:
         ix.close()
+        router.close()
         idx.close()
         srv.stop()
