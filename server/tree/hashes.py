@@ -8,7 +8,8 @@ FROZEN. External routers and stores depend on these bytes; never change them, ad
   of the same path (the parent node's last page for a node's first page), or the chain's seed.
 * Seeds (SPEC-tiers R6.2): the default namespace has none (prior is empty). A namespace with a
   cache_salt starts from SHA-256(b"sglang-cache-salt-v1\\x00" || utf-8 salt); extra_key never enters
-  the event chain (a LoRA or other extra key with no salt hashes like the default namespace).
+  the digest chain (a LoRA or other extra key with no salt chains like the default namespace; its published
+  hashes differ, below).
 * A block hash, as events report it, is the first 8 bytes of the digest read big-endian as a signed
   64-bit integer (the first 16 hex digits of the hex digest, as SGLang's `hash_str_to_int64`).
 * Namespaced block hashes (what events publish; SGLang 0.5.23's rule in its Dynamo event format): in a
@@ -20,6 +21,7 @@ FROZEN. External routers and stores depend on these bytes; never change them, ad
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 from array import array
@@ -45,6 +47,7 @@ def salt_seed(cache_salt: str) -> Optional[bytes]:
     return hashlib.sha256(SALT_SEED_PREFIX + cache_salt.encode()).digest()
 
 
+@functools.lru_cache(maxsize=4096)  # (asked per event record and per adapter request; namespaces are few)
 def event_seed(extra_key: str = "", cache_salt: str = "") -> Optional[bytes]:
     """The seed that namespaces a namespace's published block hashes: None for the default namespace."""
     if not extra_key and not cache_salt:
