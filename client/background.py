@@ -3,6 +3,9 @@ thread and batched, so an engine integration never waits on a radixd call while 
 from __future__ import annotations
 
 import logging
+import mmap
+import os
+import struct
 import threading
 import time
 from collections import deque
@@ -87,6 +90,34 @@ class Inbox:
                 out.append(self.items.popleft())
         except IndexError:
             return out
+
+
+class PressureWatch:
+    """radixd's pressure counter (GetInfo's `pressure_segment`), mapped read-only: it goes up when an Alloc found the
+    pool short while sessions held slots, and a stock holder that sees it change returns its stock."""
+
+    def __init__(self, segment: str):
+        self.mm: Optional[mmap.mmap] = None
+        if segment:
+            try:
+                with open(os.path.join("/dev/shm", segment), "rb") as f:
+                    self.mm = mmap.mmap(f.fileno(), 8, prot=mmap.PROT_READ)
+            except OSError:  # another node's radixd (over TCP): stocks go back when idle only
+                self.mm = None
+        self.seen = self.value()
+
+    def value(self) -> int:
+        return struct.unpack_from("<Q", self.mm, 0)[0] if self.mm is not None else 0
+
+    def changed(self) -> bool:
+        """Whether radixd asked for stocks back since the last look (then the look counts as seen)."""
+        if self.mm is None:
+            return False
+        v = self.value()
+        if v == self.seen:
+            return False
+        self.seen = v
+        return True
 
 
 class Lookups:
@@ -298,8 +329,13 @@ class Stores:
     an Unlock."""
 
     def __init__(self, client: CacheClient, page: int, stock_max: int, linger: float = 0.002, hybrid: bool = False,
-                 states: int = 0, capacity: int = 0, prime: int = 0, tick: float = 0.005, idle_return: float = 5.0):
+                 states: int = 0, capacity: int = 0, prime: int = 0, tick: float = 0.005, idle_return: float = 5.0,
+                 pressure: str = "", watch: float = 0.05):
         self.client, self.page, self.stock_max, self.linger = client, page, stock_max, linger
+        # radixd's request for stocks back (GetInfo's pressure_segment), looked at every `watch` seconds while a
+        # stock is held: an Alloc that finds the pool short waits half a second for stocks before it is refused
+        self.pressure, self.watch = PressureWatch(pressure), watch
+        self.returned = 0  # stocks given back because radixd asked
         # the stock grows by doubling up to this: at most an eighth of the server (`capacity` tokens, 0: unknown),
         # so that slots held ready never crowd out the cache of a small server; a store larger than that takes its
         # shortfall in a one-off Alloc, never kept
@@ -308,6 +344,7 @@ class Stores:
         self._need = 0  # pages a waiting take needs now (more than the stock holds: one refill serves it)
         self.idle_return = idle_return  # seconds without a take after which the stock goes back to radixd
         self._last_take = time.monotonic()
+        self._asked = False  # radixd asked for the stock back; it goes at the thread's next turn
         self.hybrid = hybrid  # a hybrid model's server: the stock keeps each page's SWA twin page too
         self.states_max = states  # most state slots held ready (0: the model has no state layers)
         self._twins = np.zeros((0, page), np.int64)
@@ -418,18 +455,26 @@ class Stores:
             (self._want_states > 0 and len(self._states) <= self._want_states // 2)
 
     def _idle_deadline(self) -> Optional[float]:
-        """When a stock left untouched goes back to radixd (None: nothing stocked)."""
+        """When a stock left untouched goes back to radixd, or the next look at radixd's pressure counter (None:
+        nothing stocked)."""
         if not len(self._stock) and not len(self._states):
             return None
-        return self._last_take + self.idle_return
+        idle = self._last_take + self.idle_return
+        return min(idle, time.monotonic() + self.watch) if self.pressure.mm is not None else idle
 
     def _stock_idle(self) -> bool:
-        deadline = self._idle_deadline()
-        return deadline is not None and time.monotonic() >= deadline and not self._inbox.items
+        """Whether the stock goes back: untouched for `idle_return`, or radixd asked for it."""
+        if not len(self._stock) and not len(self._states):
+            return False
+        if self.pressure.changed():
+            self.returned += 1
+            self._asked = True
+        return (self._asked or time.monotonic() >= self._last_take + self.idle_return) and not self._inbox.items
 
     def _return_stock(self) -> None:
         """An idle engine's stock goes back to radixd (the next stores grow it again from nothing)."""
         with self._cv:
+            self._asked = False
             stock, self._stock = self._stock, np.zeros((0, self.page), np.int64)
             states, self._states = self._states, EMPTY
             twins, self._twins = self._twins, np.zeros((0, self.page), np.int64)

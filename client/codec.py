@@ -220,7 +220,7 @@ def info_dict(msg) -> dict[str, Any]:
     return dict(instance_id=msg.instance_id, page_size=msg.page_size, eviction_policy=msg.eviction_policy,
                 version=msg.version, capacity_tokens=msg.capacity_tokens, max_batch_tokens=msg.max_batch_tokens,
                 write_policy=msg.write_policy, storage=msg.storage, storage_format=msg.storage_format,
-                metrics_url=msg.metrics_url,
+                metrics_url=msg.metrics_url, pressure_segment=msg.pressure_segment,
                 device_pools=[descriptor(p) for p in msg.device_pools],
                 host_pool=descriptor(msg.host_pool) if msg.HasField("host_pool") else None,
                 swa_pool=descriptor(msg.swa_pool) if msg.HasField("swa_pool") else None,

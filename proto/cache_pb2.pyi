@@ -61,7 +61,7 @@ class PoolDescriptor(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., tier: _Optional[str] = ..., backend: _Optional[str] = ..., handle: _Optional[bytes] = ..., size_bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., page_size: _Optional[int] = ..., num_slots: _Optional[int] = ..., mla: _Optional[bool] = ..., layout: _Optional[str] = ..., buffers: _Optional[_Iterable[_Union[BufferDescriptor, _Mapping]]] = ..., gpu_uuid: _Optional[str] = ..., device_index: _Optional[int] = ..., pinned: _Optional[bool] = ...) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("instance_id", "page_size", "device_pools", "host_pool", "eviction_policy", "version", "capacity_tokens", "max_batch_tokens", "write_policy", "storage", "storage_format", "metrics_url", "swa_pool", "state_pool", "hybrid")
+    __slots__ = ("instance_id", "page_size", "device_pools", "host_pool", "eviction_policy", "version", "capacity_tokens", "max_batch_tokens", "write_policy", "storage", "storage_format", "metrics_url", "swa_pool", "state_pool", "hybrid", "pressure_segment")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_POOLS_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +77,7 @@ class ServerInfo(_message.Message):
     SWA_POOL_FIELD_NUMBER: _ClassVar[int]
     STATE_POOL_FIELD_NUMBER: _ClassVar[int]
     HYBRID_FIELD_NUMBER: _ClassVar[int]
+    PRESSURE_SEGMENT_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     page_size: int
     device_pools: _containers.RepeatedCompositeFieldContainer[PoolDescriptor]
@@ -92,7 +93,8 @@ class ServerInfo(_message.Message):
     swa_pool: PoolDescriptor
     state_pool: PoolDescriptor
     hybrid: HybridInfo
-    def __init__(self, instance_id: _Optional[str] = ..., page_size: _Optional[int] = ..., device_pools: _Optional[_Iterable[_Union[PoolDescriptor, _Mapping]]] = ..., host_pool: _Optional[_Union[PoolDescriptor, _Mapping]] = ..., eviction_policy: _Optional[str] = ..., version: _Optional[str] = ..., capacity_tokens: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., write_policy: _Optional[str] = ..., storage: _Optional[str] = ..., storage_format: _Optional[str] = ..., metrics_url: _Optional[str] = ..., swa_pool: _Optional[_Union[PoolDescriptor, _Mapping]] = ..., state_pool: _Optional[_Union[PoolDescriptor, _Mapping]] = ..., hybrid: _Optional[_Union[HybridInfo, _Mapping]] = ...) -> None: ...
+    pressure_segment: str
+    def __init__(self, instance_id: _Optional[str] = ..., page_size: _Optional[int] = ..., device_pools: _Optional[_Iterable[_Union[PoolDescriptor, _Mapping]]] = ..., host_pool: _Optional[_Union[PoolDescriptor, _Mapping]] = ..., eviction_policy: _Optional[str] = ..., version: _Optional[str] = ..., capacity_tokens: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., write_policy: _Optional[str] = ..., storage: _Optional[str] = ..., storage_format: _Optional[str] = ..., metrics_url: _Optional[str] = ..., swa_pool: _Optional[_Union[PoolDescriptor, _Mapping]] = ..., state_pool: _Optional[_Union[PoolDescriptor, _Mapping]] = ..., hybrid: _Optional[_Union[HybridInfo, _Mapping]] = ..., pressure_segment: _Optional[str] = ...) -> None: ...
 
 class HybridInfo(_message.Message):
     __slots__ = ("sliding_window", "mamba_chunk", "swa_capacity_tokens", "mamba_states", "full_layers", "swa_layers", "state_layers")

@@ -26,6 +26,7 @@ from .pools.allocator import SlotAllocator
 from .pools.cuda import cuda_available
 from .pools.pool import KVPool
 from .pools.shm import SHM_DIR, cleanup_stale, shm_room
+from .pressure import Pressure
 from .pools.spec import total_bytes
 from .pools.spec import PoolSpec
 from .quiet import native_stderr
@@ -320,6 +321,7 @@ async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
         swept = len(cleanup_stale())  # reported once serving: a refused start says only why it was refused
         instance_id = uuid.uuid4().hex
         core = build_core(cfg, instance_id)
+        core.pressure = Pressure(instance_id)
         await asyncio.sleep(0)  # a signal that came while the pools were built lands here
         await _run(cfg, core, instance_id, sockets, ready, swept, stop, state)
     except asyncio.CancelledError:
@@ -338,6 +340,7 @@ async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
                 await core.events.close()
             for p in core.all_pools():
                 p.close()
+            core.pressure.close()
         for path in sockets:
             if os.path.exists(path):
                 os.unlink(path)

@@ -13,6 +13,7 @@ import numpy as np
 from .errors import BadRequest, Conflict, Denied, Exhausted, NotFound
 from .pools.allocator import FREE, HELD, TREE, SlotAllocator, SlotError
 from .pools.pool import KVPool
+from .pressure import Pressure
 from .sessions import Session, SessionTable
 from .tiers import HostTier, LoadBack
 from .tree import RadixTree
@@ -105,6 +106,7 @@ class CacheCore:
         self.storage = None  # the L3 tier (server/storage) when --storage is given
         self.expired_receipts = 0  # released by --lock-lease-seconds
         self.storage_format = ""
+        self.pressure = Pressure(instance_id, shared=False, grace=0)  # serve() puts up the shared one
         if host is not None:
             host.on_load_done = self._load_landed
             host.engine.listeners.append(self._transfer_landed)
@@ -199,12 +201,19 @@ class CacheCore:
         """Whole pages for each size, held by the session; evicts unlocked leaves when short (and, under
         write-back, waits for the write-backs that eviction needs)."""
         pages = self._pages_for_batch(sizes)
-        if self.host is not None:
-            evicted = await self.host.make_device_room(pages)
-            self.sessions.get(s.session_id)  # the session may have ended while we waited
-        else:
-            evicted = self._make_room(pages)
-        return self.alloc.alloc_many(sizes, s.owner), evicted
+
+        async def attempt():
+            if self.host is not None:
+                evicted = await self.host.make_device_room(pages)
+                self.sessions.get(s.session_id)  # the session may have ended while we waited
+            else:
+                evicted = self._make_room(pages)
+            return self.alloc.alloc_many(sizes, s.owner), evicted
+        return await self.pressure.alloc(attempt, lambda: self._held_by_others(s))
+
+    def _held_by_others(self, s: Session) -> int:
+        """Device slots other sessions hold (stocks among them): what a short Alloc may ask back."""
+        return self.alloc.counts[HELD] - int(self.alloc.held_by(s.owner).size)
 
     def free_slots(self, s: Session, slots: np.ndarray) -> int:
         self._check_held(s, slots)

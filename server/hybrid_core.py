@@ -88,11 +88,21 @@ class HybridCore(HybridShelf, CacheCore):
                             f"{self.swa.swa_capacity}")
         if states > self.states_capacity:
             raise Exhausted(f"batch needs {states} state slots, the state pool has {self.states_capacity}")
-        evicted = self._room(pages, pages if self.swa is not None else 0, states)
-        full = self.alloc.alloc_many(sizes, s.owner)
-        twins = [self.swa.assign(a) for a in full] if self.swa is not None else []
-        held = self.states.alloc(states, s.owner) if states else np.zeros(0, np.int64)
-        return full, twins, held, evicted
+
+        async def attempt():
+            evicted = self._room(pages, pages if self.swa is not None else 0, states)
+            full = self.alloc.alloc_many(sizes, s.owner)
+            twins = [self.swa.assign(a) for a in full] if self.swa is not None else []
+            held = self.states.alloc(states, s.owner) if states else np.zeros(0, np.int64)
+            return full, twins, held, evicted
+        return await self.pressure.alloc(attempt, lambda: self._held_by_others(s))
+
+    def _held_by_others(self, s: Session) -> int:
+        """FULL and state slots other sessions hold: what a short Alloc may ask back."""
+        n = super()._held_by_others(s)
+        if self.states is not None:
+            n += self.states.counts[HELD] - int(self.states.held_by(s.owner).size)
+        return n
 
     @property
     def states_capacity(self) -> int:

@@ -97,6 +97,10 @@ class CacheCollector:
                                 "been held", value=core.sessions.oldest_receipt_age())
         yield CounterMetricFamily("radixd_expired_receipts", "Lock receipts released by --lock-lease-seconds",
                                   value=core.expired_receipts)
+        yield CounterMetricFamily("radixd_stock_asks", "Allocs that found the pool short while other sessions "
+                                  "held slots, and asked for stocks back", value=core.pressure.waited)
+        yield CounterMetricFamily("radixd_stock_rescues", "Of those, the ones served once stocks came back",
+                                  value=core.pressure.rescued)
         yield CounterMetricFamily("radixd_host_hit_tokens", "Tokens a MatchPrefix found on the host tier only",
                                   value=ht.host_hit_tokens if ht else t.counters.host_hit_tokens)
         yield CounterMetricFamily("radixd_backup_tokens", "Tokens copied device -> host",

@@ -73,6 +73,7 @@ def unary(method):
             finally:
                 if self.core.events is not None:
                     self.core.events.flush()  # what this call changed, published before it answers
+                self.core.pressure.freed()  # (an Alloc waiting on stocks tries again)
                 self.metrics.observe(method, time.perf_counter() - t0, code)
             await context.abort(*err)
         return handler
@@ -111,7 +112,8 @@ class RadixCacheService(pb_grpc.RadixCacheServicer):
                              max_batch_tokens=c.max_batch_tokens, write_policy=c.tree.write_policy or "",
                              device_pools=[descriptor_msg(p.descriptor) for p in c.device_pools],
                              storage=c.storage.store.describe() if c.storage else "", storage_format=c.storage_format,
-                             metrics_url=f"http://{self.metrics.address}/metrics" if self.metrics.address else "")
+                             metrics_url=f"http://{self.metrics.address}/metrics" if self.metrics.address else "",
+                             pressure_segment=c.pressure.segment)
         if c.host_pool is not None:
             info.host_pool.CopyFrom(descriptor_msg(c.host_pool.descriptor))
         if self.hybrid:
@@ -156,6 +158,7 @@ class RadixCacheService(pb_grpc.RadixCacheServicer):
             yield pb.SessionEvent(session_id=sid, instance_id=iid, message="server shutting down")
         finally:
             self.core.end_session(session)  # stream ended: client exit, crash, network or shutdown
+            self.core.pressure.freed()
 
     @unary("Alloc")
     async def Alloc(self, request):

@@ -14,6 +14,7 @@ import numpy as np
 
 from radixd.client import CacheClient
 from radixd.client.background import Inbox, Lookups, Stores
+from radixd.client.errors import RadixdError
 
 from .conftest import ServerProc
 
@@ -294,3 +295,52 @@ def test_a_handed_over_lookup_is_held_by_the_store_thread_and_cut_and_listed_on_
         _settle(stores)
         s = probe.stats()
         assert s["receipts"] == 0 and s["held_tokens"] == stores.stocked() and probe.check() == [], s
+
+
+def test_a_short_alloc_gets_an_idle_stock_back_before_it_is_refused():
+    """An engine's stock of held slots must never make another client's Alloc fail: radixd, short of free slots
+    while other sessions hold some, asks for stocks back (its pressure counter) and waits for them; a client that
+    holds its slots and returns nothing still gets its Alloc refused, after the wait, saying what others held."""
+    capacity = 1024
+    srv = ServerProc("--num-slots", str(capacity), "--page-size", str(PAGE))
+    c, probe, other = (CacheClient(srv.target, name=n) for n in ("engine", "probe", "other"))
+    info = probe.info()
+    assert info["pressure_segment"]
+    stores = Stores(c, PAGE, 8192, capacity=info["capacity_tokens"], idle_return=600,
+                    pressure=info["pressure_segment"])
+    try:
+        for _ in range(4):  # a few stores grow the stock (an idle return would take an hour here)
+            got = stores.take_pages(2, wait=5)
+            assert got is not None
+            stores.free(got.reshape(-1))
+            _settle(stores)
+        stocked = stores.stocked()
+        assert 0 < stocked <= capacity // 8 and probe.stats()["held_tokens"] == stocked
+        mine = other.alloc(capacity - stocked)  # every free slot
+        assert probe.stats()["free_tokens"] == 0
+        more = other.alloc(2 * PAGE)  # only the engine's stock can serve it
+        assert more.size == 2 * PAGE
+        assert stores.stocked() == 0 and stores.returned == 1
+        s = probe.stats()
+        assert s["held_tokens"] == capacity - stocked + 2 * PAGE and probe.check() == [], s
+        other.free(more)
+        third = CacheClient(srv.target, name="third")
+        try:
+            took = third.alloc(stocked)  # the rest; "other" holds slots it never gives back
+            before = probe.stats()
+            try:
+                third.alloc(PAGE)
+                raise AssertionError("an Alloc with nothing free and nothing returned was served")
+            except RadixdError as e:
+                assert "RESOURCE_EXHAUSTED" in repr(e) or "other sessions hold" in str(e), e
+                assert f"other sessions hold {capacity - stocked}" in str(e), e
+            assert probe.stats() == before and probe.check() == []  # the refusal changed nothing
+            third.free(took)
+        finally:
+            third.close()
+        other.free(mine)
+    finally:
+        stores.close()
+        for x in (c, probe, other):
+            x.close()
+        srv.stop()

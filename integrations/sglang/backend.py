@@ -365,7 +365,7 @@ class RadixdRadixCache(RadixCache):
         self.copies_ahead = 0  # copies ahead made (by the lookup thread only)
         if self.asynchronous:
             self.stores = Stores(self.client, self.page_size, slot_stock_tokens, capacity=info["capacity_tokens"],
-                                 prime=slot_stock_tokens // 4)
+                                 prime=slot_stock_tokens // 4, pressure=info.get("pressure_segment", ""))
             self.lookups = Lookups(self.client, load_back, self.stores,
                                    prefetch=self._prefetch if self.prefetch_tokens else None, unfetch=self._unfetch)
             self.stores.first = self.lookups

@@ -457,7 +457,7 @@ class _Scheduler:
         # submitted lookup wakes it), and the store thread polls every `store_tick_ms`
         self.background = Stores(self.client, self.page, conn.slot_stock, hybrid=self.hybrid,
                                  states=8 if self.mamba else 0, capacity=info["capacity_tokens"],
-                                 tick=conn.store_tick)
+                                 tick=conn.store_tick, pressure=info.get("pressure_segment", ""))
         self.lookups = Lookups(self.client, conn.load_back and not self.hybrid, self.background, hybrid=self.hybrid,
                                hand_over=True, firsts=self.page, poll=False)
         self.background.first = self.lookups
