@@ -283,6 +283,7 @@ class Engine:
         self.cached_after_restart: list[int] = []  # the tokens a fresh engine found cached (radixd's, not its own)
         self.proc = None
         self.fresh = True
+        self.restarts = -1
         self.start()
 
     def start(self) -> None:
@@ -297,6 +298,7 @@ class Engine:
         self.reply = os.fdopen(r)
         self.ready = False
         self.fresh = True
+        self.restarts += 1
 
     def wait_ready(self, timeout: float = 300) -> bool:
         """The engine's `ready` line (built and attached), or False when it died or took too long."""
@@ -308,6 +310,7 @@ class Engine:
 
     def round(self) -> bool:
         """Every prompt once (one at a time); False when the engine died mid-round (it is killed by faults)."""
+        cached = 0
         for i in range(len(self.prompts)):
             try:
                 self.proc.stdin.write(f"{i}\n")
@@ -324,8 +327,9 @@ class Engine:
                 self.reference[i] = toks
             elif toks != self.reference[i]:
                 self.changed += 1
-            if self.fresh and i == 0 and len(self.reference) == len(self.prompts):
-                self.cached_after_restart.append(int(res["cached"]))
+            cached += int(res["cached"])
+        if self.fresh and self.restarts:  # a fresh engine holds nothing of its own: what it found was radixd's
+            self.cached_after_restart.append(cached)
         self.fresh = False
         return True
 
@@ -667,6 +671,8 @@ def run(args) -> int:
             failures.append(f"the engine's tokens changed in {engine.changed} of {engine.answers} answers")
         if not engine.answers:
             failures.append("the engine answered nothing")
+        if 0 in engine.cached_after_restart:
+            failures.append("a restarted engine found none of its prompts in radixd")
     total = sum(r["n"] for r in done) or 1
     print(f"\nrequests {len(done)}  prompt tokens {total}  hit rate {sum(r['hit'] for r in done) / total:.3f}  "
           f"hit tokens verified {sum(r['hit'] for r in done)}  wrong {bytes_bad}")

@@ -10,7 +10,7 @@ from radixd.proto import cache_pb2 as pb
 from radixd.proto import cache_pb2_grpc as pb_grpc
 
 from . import codec
-from .errors import NotFound, RadixdError, ServerRestarted, from_rpc_error
+from .errors import NotFound, RadixdError, ServerRestarted, Unavailable, from_rpc_error
 
 
 def _credentials(tls: Any):
@@ -32,6 +32,13 @@ class _Base:
         self.session_id = ""
         self.instance_id = ""
         self.event_seq = 0  # KV events: the first batch after every store this client made (CacheUnfinished)
+        self.lost = False  # the session is gone (radixd restarted or unreachable): set by any call that found so
+
+    def _seen(self, err: RadixdError) -> RadixdError:
+        """Note an error that means this session is gone (an engine integration attaches anew), and return it."""
+        if isinstance(err, (ServerRestarted, Unavailable)) or (isinstance(err, NotFound) and "session" in str(err)):
+            self.lost = True
+        return err
 
     def _restart_check(self, err: RadixdError, current_instance: str) -> RadixdError:
         if current_instance and self.instance_id and current_instance != self.instance_id:
@@ -68,7 +75,7 @@ class CacheClient(_Base):
                 except grpc.RpcError:
                     current = ""
                 err = self._restart_check(err, current)
-            raise err from None
+            raise self._seen(err) from None
 
     def attach(self) -> str:
         """Open the session stream; the session lives exactly as long as this stream."""

@@ -138,7 +138,7 @@ class RelayedClient(CacheClient):
             rest = _recv(s, nd + nr) if nd + nr else b""
         except (OSError, EOFError):
             self._local.conn = None
-            raise Unavailable("UNAVAILABLE: the radixd relay process is gone") from None
+            raise self._seen(Unavailable("UNAVAILABLE: the radixd relay process is gone")) from None
         if code == 0:
             return _RESPONSES[name].FromString(rest)
         err = from_rpc_error(RelayError(_CODES.get(code, grpc.StatusCode.UNKNOWN), rest[:nd].decode()))
@@ -148,7 +148,7 @@ class RelayedClient(CacheClient):
             except RadixdError:
                 current = ""
             err = self._restart_check(err, current)
-        raise err
+        raise self._seen(err)
 
     def watch_events(self, request: pb.WatchEventsRequest) -> "RelayedStream":
         """The WatchEvents stream, read through the relay: an iterator of EventBatch with `cancel()`; a failure

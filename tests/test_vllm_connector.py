@@ -509,6 +509,55 @@ def test_a_killed_engine_leaves_no_lock_and_no_slot_behind(model_dir):
 
 
 @needs_vllm
+def test_an_engine_goes_on_through_a_radixd_restart_and_stores_into_the_new_instance(model_dir, reference):
+    """radixd is SIGKILLed under a running engine and restarted on the same socket: the engine keeps answering with
+    the same tokens, its connector attaches to the new instance and its workers map the new pools, so what it
+    prefills next lands in the new radixd as the model's true K and V (mapped the old pools, it would not)."""
+    srv = _server(model_dir)
+    d = tempfile.mkdtemp(prefix="radixd-vllm-restart-")
+    json.dump([PARTIAL, P], open(os.path.join(d, "prompts.json"), "w"))
+    r, w = os.pipe()
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": ""}
+    log = open(os.path.join(d, "engine.log"), "w+")
+    eng = subprocess.Popen([VLLM_PY, str(ENGINE), model_dir, os.path.join(d, "prompts.json"), "--serve", str(w),
+                            "--radixd", srv.target], env=env, stdin=subprocess.PIPE, stdout=log,
+                           stderr=subprocess.STDOUT, text=True, pass_fds=(w,), start_new_session=True)
+    os.close(w)
+    reply = os.fdopen(r)
+
+    def ask(i: int) -> dict:
+        eng.stdin.write(f"{i}\n")
+        eng.stdin.flush()
+        line = reply.readline()
+        if not line:
+            log.seek(0)
+            raise AssertionError("the engine died: " + log.read()[-4000:])
+        return json.loads(line)[0]
+    try:
+        assert reply.readline().strip() == "ready"
+        assert ask(0)["tokens"] == reference[1]["tokens"]
+        srv.proc.kill()
+        srv.proc.wait()
+        old = srv.instance_id
+        srv.start()
+        assert srv.instance_id != old
+        assert ask(0)["tokens"] == reference[1]["tokens"]  # (its lookup finds radixd gone: the connector attaches)
+        assert ask(1)["tokens"] == reference[2]["tokens"]
+        eng.stdin.close()
+        assert eng.wait(120) == 0
+        with CacheClient(srv.target, name="test") as c:
+            s = _settled(c)
+            assert s["cached_tokens"] >= 192, s  # P's six whole blocks, stored into the new instance
+            res = _true_kv(model_dir, srv.target)
+            assert res["ok"] and res["tokens"] == 192, res
+        log.seek(0)
+        assert "attached again" in log.read()
+    finally:
+        _kill_group(eng)
+        srv.stop()
+
+
+@needs_vllm
 def test_the_scheduler_thread_never_waits_on_a_stopped_radixd_while_it_has_other_work():
     srv = ServerProc("--num-slots", "4096", "--page-size", str(BLOCK))
     try:

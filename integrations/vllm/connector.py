@@ -78,6 +78,7 @@ import logging
 import math
 import os
 import re
+import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -127,6 +128,7 @@ class RadixdConnectorMetadata(KVConnectorMetadata):
     loads: list[tuple[list[list[int]], list[int], list[int], int, list[int]]] = field(default_factory=list)
     stores: list[tuple[int, str, list[list[int]], list[int], list[int], int]] = field(default_factory=list)
     preempted: set[str] = field(default_factory=set)  # their blocks go to others this step: saves must land first
+    instance: str = ""  # the radixd instance whose slots the loads and stores name (a restart: map its pools)
 
 
 @dataclass
@@ -453,6 +455,15 @@ class _Scheduler:
         self.hits = 0  # tokens loaded from radixd (for tests and logs)
         self.rpcs = 0  # calls made on the scheduler thread
         self.mamba = "mamba" in conn.groups  # state layers: every store carries the state as of its end
+        self.meter = _Meter()
+        self.reattached = 0  # radixd restarts this engine went on through (tests, logs)
+        self._retry_at = 0.0
+        self._attach(info)
+
+    def _attach(self, info: dict) -> None:
+        """The threads and index that talk to radixd through `self.client` (again after a radixd restart)."""
+        conn = self.conn
+        self.instance = info["instance_id"]  # the workers map this instance's pools (the metadata names it)
         # each poll of these threads takes the GIL from the forward in mid-step: the lookup thread does not poll (a
         # submitted lookup wakes it), and the store thread polls every `store_tick_ms`
         self.background = Stores(self.client, self.page, conn.slot_stock, hybrid=self.hybrid,
@@ -461,11 +472,64 @@ class _Scheduler:
         self.lookups = Lookups(self.client, conn.load_back and not self.hybrid, self.background, hybrid=self.hybrid,
                                hand_over=True, firsts=self.page, poll=False)
         self.background.first = self.lookups
-        self.meter = _Meter()
         self.index: Optional[LocalIndex] = None  # misses answered with no round trip (radixd with --kv-events)
         if conn.local_index and not info["storage"]:  # an L3 tier holds pages the events do not name
             self.index = LocalIndex(self.client, conn.target, self.page, conn.token,
                                     MEDIA if conn.load_back or self.hybrid else ("GPU",))
+
+    def _reattach(self) -> None:
+        """radixd restarted (its sessions, locks and slots are gone): attach to the new instance, at most once a
+        second, while the engine goes on. Requests in flight keep what they hold in vLLM but neither load nor store
+        anything more (their plans name the old instance's slots); the workers map the new pools at the next
+        step, as its metadata names the new instance (this step's loads still read the old pools, which the workers
+        keep mapped until then). Until radixd answers again every lookup is a miss."""
+        now = time.monotonic()
+        if now < self._retry_at:
+            return
+        self._retry_at = now + 1.0
+        try:
+            client = _client(self.conn, f"vllm-scheduler-{os.getpid()}")
+        except RadixdError:
+            return
+        try:
+            info = client.info()
+            if info["page_size"] != self.page or info["capacity_tokens"] <= 0:
+                raise RadixdError(f"radixd's page size is now {info['page_size']}, vLLM's block {self.page}")
+            if self.hybrid:
+                _check_hybrid_server(info, self.conn.groups)
+        except (RadixdError, ValueError) as e:
+            log.warning("radixd connector: radixd is back but cannot serve this engine (%s)", e)
+            client.close()
+            return
+        if info["instance_id"] == self.instance:  # the same radixd: the session was lost, not the server
+            client.close()
+            self.client.lost = False
+            return
+        old = (self.index, self.lookups, self.background, self.client)
+        self.client = client
+        self._attach(info)
+        for rid, st in self.reqs.items():
+            self.background.refused.add(rid)  # its held prefix and slots were the old instance's
+            st.inflight.clear()
+            st.prefix, st.firsts, st.swa, st.state = EMPTY, [], EMPTY, -1  # a hit no step loaded yet: gone
+            if st.pending:  # its lookup went to the old instance: a miss
+                st.pending = False
+                self.running += 1
+        self.stores.clear()  # copies the workers may still report: their slots are gone with the old instance
+        for rid in [rid for rid, st in self.reqs.items() if st.finished]:
+            self.reqs.pop(rid)
+        self.reattached += 1
+        log.warning("radixd connector: radixd restarted (instance %s): attached again; requests in flight store "
+                    "nothing more", self.instance)
+
+        def close_old() -> None:  # their last calls fail at once (the session is unknown): off this thread
+            for part in old:
+                if part is not None:
+                    try:
+                        part.close()
+                    except Exception:
+                        pass
+        threading.Thread(target=close_old, name="radixd-old-session", daemon=True).start()
 
     def _align(self, n: int) -> int:
         return max(n, 0) - max(n, 0) % self.page
@@ -531,7 +595,7 @@ class _Scheduler:
             st.load = (st.local, num_external)
 
     def build(self, so: "SchedulerOutput") -> RadixdConnectorMetadata:
-        meta = RadixdConnectorMetadata(preempted=set(so.preempted_req_ids or ()))
+        meta = RadixdConnectorMetadata(preempted=set(so.preempted_req_ids or ()), instance=self.instance)
         self._plans: list[tuple[str, _Req, int, int]] = []
         for nr in so.scheduled_new_reqs:
             st = self.reqs.get(nr.req_id)
@@ -564,6 +628,8 @@ class _Scheduler:
                     have.extend(new)
             self._plan(rid, st, cr.num_computed_tokens[i] + so.num_scheduled_tokens[rid], meta)
         self._allocate(meta)
+        if self.client.lost:  # (after this step's loads: vLLM counts on them, from the instance they were found in)
+            self._reattach()
         return meta
 
     def _plan(self, rid: str, st: _Req, computed_after: int, meta: RadixdConnectorMetadata) -> None:
@@ -885,6 +951,8 @@ class _Worker:
         self._finishing: set[str] = set()  # finished requests whose blocks wait for their copies
         self._pool: Optional[ThreadPoolExecutor] = None
         self.pools = None
+        self._old_pools = None  # the pools of the radixd instance before a restart (copies may still use them)
+        self.instance = ""  # the radixd instance whose pools are mapped
         self.plan: list[tuple[torch.Tensor, int, torch.Tensor, torch.Tensor, bool]] = []  # kv, group, k, v, swa
         self.views: list[Optional[CpuViews]] = []  # per plan entry: its numpy views (a CPU vec-kernel layout)
         # state layers: (group, vLLM's conv and temporal views [blocks, ...], radixd's [slots, ...], conv transposed)
@@ -909,25 +977,8 @@ class _Worker:
         if self.geo.layout == "cpu":
             self.geo = _probe_cpu_kernel(self.geo, self.conn)
         cpus = self.conn.cpus
-        client = beside(cpus, lambda: CacheClient(self.conn.target, token=self.conn.token, attach=False))
-        try:
-            info = client.info()
-            self.pools = client.map_pools(self.layers[0].device, host=False)
-        finally:
-            client.close()
-        beside(cpus, lambda: populate_in_background(
-            self.pools.device + [p for p in (self.pools.swa, self.pools.state) if p is not None]))
-        dev = self.pools.device[0]
-        if self.conn.hma:
-            self.plan = self._hybrid_plan(names, info)
-            self.states = self._state_plan(state_names, kv_caches, info, group_of)
-        else:
-            self._check(dev, len(self.layers), "")
-            self.plan = [(kv, 0, dev.k_buffer[i], dev.v_buffer[i], False) for i, kv in enumerate(self.layers)]
-        if dev.k_buffer[0].device != self.layers[0].device:
-            raise ValueError(f"radixd connector: radixd's pool is on {dev.k_buffer[0].device}, vLLM's KV on "
-                             f"{self.layers[0].device}")
-        self.views = [cpu_views(kv, self.geo, k, v) for kv, _, k, v, _ in self.plan]
+        self._layout = (names, state_names if self.conn.hma else [], kv_caches, group_of if self.conn.hma else {})
+        self._map()
         if self.geo.layout == "cpu":
             log.info("radixd connector: %d of %d layers copy through numpy views of the blocks (the rest: the "
                      "general gather)", sum(x is not None for x in self.views), len(self.views))
@@ -947,6 +998,45 @@ class _Worker:
             self.queue = beside(self.conn.cpus, CopyQueue)
             self._spec_of = {name: v.spec for name, v in zip(names, self.views)}
             self._last_layer = names[-1]  # (the forward's last: names are in layer order)
+
+    def _map(self) -> None:
+        """Map radixd's pools (of the instance that answers now) and plan each layer's copies into them."""
+        names, state_names, kv_caches, group_of = self._layout
+        cpus = self.conn.cpus
+        client = beside(cpus, lambda: CacheClient(self.conn.target, token=self.conn.token, attach=False))
+        try:
+            info = client.info()
+            self.pools = client.map_pools(self.layers[0].device, host=False)
+        finally:
+            client.close()
+        self.instance = info["instance_id"]
+        beside(cpus, lambda: populate_in_background(
+            self.pools.device + [p for p in (self.pools.swa, self.pools.state) if p is not None]))
+        dev = self.pools.device[0]
+        if self.conn.hma:
+            self.plan = self._hybrid_plan(names, info)
+            self.states = self._state_plan(state_names, kv_caches, info, group_of)
+        else:
+            self._check(dev, len(self.layers), "")
+            self.plan = [(kv, 0, dev.k_buffer[i], dev.v_buffer[i], False) for i, kv in enumerate(self.layers)]
+        if dev.k_buffer[0].device != self.layers[0].device:
+            raise ValueError(f"radixd connector: radixd's pool is on {dev.k_buffer[0].device}, vLLM's KV on "
+                             f"{self.layers[0].device}")
+        self.views = [cpu_views(kv, self.geo, k, v) for kv, _, k, v, _ in self.plan]
+
+    def _remap(self, instance: str) -> None:
+        """radixd restarted and the scheduler attached to `instance`: map its pools. The old mapping is kept until
+        the next restart (an asynchronous store of an earlier step may still be copying into it)."""
+        old = self.pools
+        try:
+            self._map()
+        except Exception as e:  # radixd went again: the scheduler attaches anew, and this runs at its next step
+            log.warning("radixd connector: mapping the pools of radixd instance %s failed: %s", instance, e)
+            return
+        self._old_pools = old
+        if self._spec_of:  # the copy queue's per-layer specs name the pool's addresses
+            self._spec_of = {name: v.spec for name, v in zip(self._layout[0], self.views)}
+        log.warning("radixd connector worker: mapped the pools of radixd instance %s", self.instance)
 
     def _check(self, pool, layers: int, what: str) -> None:
         d = pool.descriptor
@@ -1100,7 +1190,7 @@ class _Worker:
     def layer_written(self, name: str, meta: RadixdConnectorMetadata) -> None:
         """The forward has written the layer's KV: its store starts on the copy queue (where the queue takes the
         step's pages; else every layer is stored the general way in wait_for_save)."""
-        if self.queue is None:
+        if self.queue is None or (meta.instance and meta.instance != self.instance):
             return
         step = self._step_for(meta)
         if step is None or not step.queued or name in step.saved:
@@ -1115,6 +1205,12 @@ class _Worker:
                 step.saved[name], step.started = t, start
 
     def load(self, meta: RadixdConnectorMetadata) -> None:
+        if meta.instance and meta.instance != self.instance:
+            self._remap(meta.instance)
+            if self.instance != meta.instance and meta.loads:  # (radixd went again before its pools were mapped)
+                raise RuntimeError(f"radixd connector: this step loads from radixd instance {meta.instance}, whose "
+                                   "pools could not be mapped")
+
         def run() -> None:
             for groups, pages, twins, state, running in meta.loads:
                 self._each_layer(self._pairs(groups, pages, twins), load=True)
@@ -1136,6 +1232,9 @@ class _Worker:
         if not meta.stores:
             return
         sids, rids = [x[0] for x in meta.stores], {x[1] for x in meta.stores}
+        if meta.instance and meta.instance != self.instance:  # slots of pools not mapped here: never written
+            self.failed.update(sids)
+            return
         handle: Any = None
         if step is not None and step.queued:
             for name, spec in self._spec_of.items():  # (layers the forward did not report written)
