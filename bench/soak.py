@@ -402,6 +402,25 @@ def checked(target: str) -> list[str]:
     return bad
 
 
+def settled(srv: Radixd, failures: list[str], when: str) -> dict:
+    """Once the clients are gone: nothing attached but the probe, locked, held or in flight; the checker clean.
+    Returns radixd's /proc figures then."""
+    deadline = time.time() + 10
+    while True:
+        with probe(srv.target) as c:
+            s = c.stats()
+        if s["sessions"] <= 1 or time.time() > deadline:
+            break
+        time.sleep(0.1)
+    leftovers = {k: s[k] for k in ("sessions", "receipts", "held_tokens", "in_flight_tokens")}
+    if leftovers != dict(sessions=1, receipts=0, held_tokens=0, in_flight_tokens=0):
+        failures.append(f"left behind once {when}: {leftovers}")
+    bad = checked(srv.target)
+    if bad:
+        failures.append(f"check once {when}: {bad[:3]}")
+    return srv.sample()
+
+
 def malformed_burst(target: str, n: int = 40) -> list[str]:
     """Requests no client should send; each must get its precise status, and nothing may change."""
     import grpc
@@ -599,21 +618,17 @@ def run(args) -> int:
         if loop is not None:
             loop.close()
     # ------------------------------------------------------------ once every client is gone
-    from radixd.client.errors import RadixdError
-    deadline = time.time() + 10
-    while True:
-        with probe(srv.target) as c:
-            s = c.stats()
-        if s["sessions"] <= 1 or time.time() > deadline:
-            break
-        time.sleep(0.1)
-    leftovers = {k: s[k] for k in ("sessions", "receipts", "held_tokens", "in_flight_tokens")}
-    if leftovers != dict(sessions=1, receipts=0, held_tokens=0, in_flight_tokens=0):
-        failures.append(f"left behind once the clients were gone: {leftovers}")
-    bad = checked(srv.target)
-    if bad:
-        failures.append(f"final check: {bad[:3]}")
-    records = workers.records
+    gone = settled(srv, failures, "the clients were gone")
+    # the same again after a short second round of clients: what they leave must be nothing
+    again = Workers(2, srv.target, args.seed + 1, args.trace, args.requests)
+    time.sleep(8)
+    again.stop_all()
+    gone2 = settled(srv, failures, "a second round of clients was gone")
+    for what in ("fds", "threads"):
+        if gone and gone2 and gone2[what] > gone[what]:
+            failures.append(f"radixd's {what}: {gone[what]} once the clients were gone, {gone2[what]} after another "
+                            "round of clients")
+    records = workers.records + again.records
     prompts = [r for r in requests(args.trace, args.requests)]
     with probe(srv.target) as c:  # the index that followed the events agrees with MatchPrefix
         mismatched = 0
@@ -629,17 +644,11 @@ def run(args) -> int:
             time.sleep(0.5)
         if mismatched:
             failures.append(f"the BlockIndex disagreed with MatchPrefix on {mismatched} of {len(sampled)} prompts")
-    end_sample = srv.sample()
     shm_after = {n for n in os.listdir("/dev/shm") if n.startswith("radixd-")}
     own = {n for n in shm_after if n.startswith(f"radixd-{srv.proc.pid}-")}
     stray = shm_after - own - shm_before
     if stray:
         failures.append(f"shared-memory segments of no live radixd: {sorted(stray)[:3]}")
-    if srv.restarts == 0 and end_sample and idle:
-        if end_sample["fds"] > idle["fds"] + 2:
-            failures.append(f"radixd holds {end_sample['fds']} descriptors with no client, {idle['fds']} before any")
-        if end_sample["threads"] > idle["threads"] + 4:
-            failures.append(f"radixd runs {end_sample['threads']} threads with no client, {idle['threads']} before")
     # ------------------------------------------------------------ figures
     bytes_bad = sum(r.get("bad", 0) for r in records)
     if bytes_bad:
@@ -662,6 +671,7 @@ def run(args) -> int:
         per_min[int((r["t"] - t0) // 60)].append(r["ms"])
     lat = {m: (float(np.percentile(v, 50)), float(np.percentile(v, 99)), len(v)) for m, v in sorted(per_min.items())}
     inc = [s for s in samples if s["pid"] == srv.proc.pid]
+    inc = inc[len(inc) // 2:]  # the steady half (radixd keeps freed heap for reuse: its RSS rises to a plateau)
     rss_slope = slope([s["t"] for s in inc], [s["rss"] / 2**20 for s in inc])
     fd_slope = slope([s["t"] for s in inc], [s["fds"] for s in inc])
     eng = {}
@@ -684,7 +694,8 @@ def run(args) -> int:
     for m, (p50, p99, n) in lat.items():
         print(f"  min {m:3d}  {p50:7.2f}  {p99:8.2f}  {n}")
     print(f"radixd (last incarnation): RSS slope {rss_slope:+.2f} MiB/min, descriptors slope {fd_slope:+.2f}/min, "
-          f"idle before {idle}, after {end_sample}; restarts {srv.restarts}")
+          f"idle before any client {idle}, once the clients were gone {gone}, after another round {gone2}; "
+          f"restarts {srv.restarts}")
     print(f"errors seen by clients: {dict(errors)}")
     for msg, n in Counter(r["msg"] for r in records if "msg" in r).most_common(5):
         print(f"  {n} x {msg}")
