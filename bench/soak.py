@@ -195,8 +195,8 @@ class Radixd(ServerProc):
 class Workers:
     """The worker processes, their JSON lines read by one thread each into a shared record list."""
 
-    def __init__(self, n: int, target: str, seed: int, trace: str, nreq: int):
-        self.target, self.seed, self.trace, self.nreq = target, seed, trace, nreq
+    def __init__(self, n: int, target: str, seed: int, trace: str, nreq: int, logs: str):
+        self.target, self.seed, self.trace, self.nreq, self.logs = target, seed, trace, nreq, logs
         self.records: list[dict] = []
         self.mu = threading.Lock()
         self.procs: dict[int, subprocess.Popen] = {}
@@ -209,7 +209,8 @@ class Workers:
         self.next += 1
         p = subprocess.Popen([sys.executable, __file__, "--worker", str(idx), "--target", self.target, "--seed",
                               str(self.seed * 1000 + idx), "--trace", self.trace, "--requests", str(self.nreq)],
-                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                             stdout=subprocess.PIPE, stderr=open(os.path.join(self.logs, f"worker{idx}.log"), "w"),
+                             text=True)
         self.procs[idx] = p
         threading.Thread(target=self._read, args=(p,), daemon=True).start()
         return idx
@@ -484,6 +485,7 @@ def run(args) -> int:
     from radixd.client.events import BlockIndex
     from tests.stores import Valkey
 
+    requests(args.trace, 1)  # (a missing trace stops the run here, not each worker)
     d = tempfile.mkdtemp(prefix="radixd-soak-")
     rng = random.Random(args.seed)
     vllm_py = ROOT / ".venv-vllm" / "bin" / "python"
@@ -507,7 +509,7 @@ def run(args) -> int:
     shm_before = {n for n in os.listdir("/dev/shm") if n.startswith("radixd-")}
     index = BlockIndex(PAGE)
     index.follow_grpc("radixd", srv.target, snapshot=True)
-    workers = Workers(args.workers, srv.target, args.seed, args.trace, args.requests)
+    workers = Workers(args.workers, srv.target, args.seed, args.trace, args.requests, d)
     engine = loop = None
     if use_engine:
         engine = Engine(str(vllm_py), os.path.join(d, "engine"), srv.target)
@@ -594,7 +596,7 @@ def run(args) -> int:
     # ------------------------------------------------------------ once every client is gone
     gone = settled(srv, failures, "the clients were gone")
     # the same again after a short second round of clients: what they leave must be nothing
-    again = Workers(2, srv.target, args.seed + 1, args.trace, args.requests)
+    again = Workers(2, srv.target, args.seed + 1, args.trace, args.requests, d)
     time.sleep(8)
     again.stop_all()
     gone2 = settled(srv, failures, "a second round of clients was gone")
