@@ -454,8 +454,8 @@ def rate(series: dict, lo: float, hi: float) -> float:
 
 def recovery(series: dict, before: tuple[float, float], after: float, until: float, window: float = 5.0,
              level: float = 0.8) -> float:
-    """Seconds after `after` until the hit rate over `window` seconds is back to `level` x its rate over `before`
-    (-1: not within `until`)."""
+    """Seconds after `after` until the hit rate over `window` seconds is back to `level` x its rate over `before` (30 s
+    before the fault: the trace's own swings fade over that long) (-1: not within `until`)."""
     base = rate(series, *before)
     if not base == base or base == 0:
         return 0.0
@@ -516,7 +516,7 @@ def run(args) -> int:
         loop = EngineLoop(engine)
     t0 = time.time()
     end = t0 + args.minutes * 60
-    warm = max(30.0, 0.15 * (end - t0))
+    warm = max(45.0, 0.15 * (end - t0))  # (the caches fill first: a fault's baseline is taken after)
     kinds = list(FAULTS) if use_engine else [f for f in FAULTS if f != "engine_kill"]
     rng.shuffle(kinds)
     while len(kinds) * 20 < (end - t0 - warm - 25) and args.minutes > 3:  # more rounds on a longer run
@@ -637,7 +637,7 @@ def run(args) -> int:
     recov = []
     for i, f in enumerate(faults):
         nxt = faults[i + 1]["t"] if i + 1 < len(faults) else stop_t
-        r = recovery(series, (f["t"] - 15, f["t"]), f["done"], nxt)
+        r = recovery(series, (f["t"] - 30, f["t"]), f["done"], nxt)
         f["recovered_s"] = r
         recov.append(r)
         if r < 0:
