@@ -26,9 +26,9 @@ from .pools.allocator import SlotAllocator
 from .pools.cuda import cuda_available
 from .pools.pool import KVPool
 from .pools.shm import SHM_DIR, cleanup_stale, shm_room
-from .pressure import Pressure
 from .pools.spec import total_bytes
 from .pools.spec import PoolSpec
+from .pressure import Pressure
 from .quiet import native_stderr
 from .service import RadixCacheService, TokenAuth
 from .tiers import HostTier

@@ -203,6 +203,7 @@ class CacheCore:
         pages = self._pages_for_batch(sizes)
 
         async def attempt():
+            self.sessions.get(s.session_id)  # (again after a wait: a session that ended meanwhile gets nothing)
             if self.host is not None:
                 evicted = await self.host.make_device_room(pages)
                 self.sessions.get(s.session_id)  # the session may have ended while we waited

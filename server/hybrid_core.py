@@ -90,6 +90,7 @@ class HybridCore(HybridShelf, CacheCore):
             raise Exhausted(f"batch needs {states} state slots, the state pool has {self.states_capacity}")
 
         async def attempt():
+            self.sessions.get(s.session_id)  # (again after a wait: a session that ended meanwhile gets nothing)
             evicted = self._room(pages, pages if self.swa is not None else 0, states)
             full = self.alloc.alloc_many(sizes, s.owner)
             twins = [self.swa.assign(a) for a in full] if self.swa is not None else []

@@ -344,3 +344,42 @@ def test_a_short_alloc_gets_an_idle_stock_back_before_it_is_refused():
         for x in (c, probe, other):
             x.close()
         srv.stop()
+
+
+def test_a_client_that_dies_while_its_alloc_waits_for_stocks_is_given_nothing():
+    """An Alloc waiting for other sessions' slots must not hand slots to a session that ended meanwhile (they would
+    stay held by nobody): its client is SIGKILLed while it waits, and afterwards only the holder's slots are held."""
+    import subprocess
+    import sys
+    srv = ServerProc("--num-slots", "256", "--page-size", str(PAGE))
+    holder, probe = CacheClient(srv.target, name="holder"), CacheClient(srv.target, name="probe")
+    try:
+        mine = holder.alloc(256)  # every slot, never given back
+        code = ("import sys; from radixd.client import CacheClient; c = CacheClient(sys.argv[1]); print('up', "
+                "flush=True); c.alloc(4)")
+        p = subprocess.Popen([sys.executable, "-c", code, srv.target], stdout=subprocess.PIPE, text=True)
+        assert p.stdout.readline().strip() == "up"
+        deadline = time.monotonic() + 10
+        while _asks(srv) < 1:  # the Alloc has asked for stocks and waits (0.5 s)
+            assert time.monotonic() < deadline and p.poll() is None
+            time.sleep(0.005)
+        p.kill()
+        p.wait()
+        deadline = time.monotonic() + 10
+        while probe.stats()["sessions"] > 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        holder.free(mine[:8])  # (what a waiting Alloc would now take, were it still waiting)
+        s = probe.stats()
+        assert s["sessions"] == 2 and s["held_tokens"] == 248 and probe.check() == [], s
+    finally:
+        holder.close()
+        probe.close()
+        srv.stop()
+
+
+def _asks(srv: ServerProc) -> float:
+    with urllib.request.urlopen(f"http://{srv.metrics_url.split('//')[1]}", timeout=10) as r:
+        for ln in r.read().decode().splitlines():
+            if ln.startswith("radixd_stock_asks_total "):
+                return float(ln.split()[1])
+    return 0.0
