@@ -17,8 +17,10 @@
  *   one layer's pages between a vLLM CPU block cache whose blocks are strided views of K and V (vLLM 0.32.0's
  *   vec kernels, as integrations/vllm/layout.py probed them) and radixd's K and V buffers [slots, heads, dim];
  *   spec: int64 buffer (kv_addr, num_blocks, k_addr, v_addr, radixd_pages, block_size, heads, head_dim,
- *         elem_size, heads_out, k_cols, v_cols): a block is [heads][2][block_size * head_dim] (heads_out) or
- *         [2][heads][...], each kind's chunk row-major [token][dim] or column-major [dim][token] (k_cols, v_cols);
+ *         elem_size, heads_out, k_cols, v_cols, page_heads): a block is [heads][2][block_size * head_dim]
+ *         (heads_out) or [2][heads][...], each kind's chunk row-major [token][dim] or column-major [dim][token]
+ *         (k_cols, v_cols); radixd's slots hold page_heads >= heads heads, of which k_addr and v_addr point at the
+ *         first of this engine's (a tensor-parallel rank copies its own heads of every slot);
  *   blocks, pages: int64 vectors of the same length, vLLM block i <-> radixd page i; load: radixd -> vLLM;
  *   returns False, having copied nothing, when an index is out of range.
  *
@@ -147,7 +149,7 @@ done:
         T *c = (T *)chunk, *r = (T *)page;                                                                           \
         if (!cols) {                                                                                                 \
             for (int64_t t = 0; t < b; t++) {                                                                        \
-                T *run = r + (t * h + head) * d;                                                                     \
+                T *run = r + (t * rh + head) * d;                                                                    \
                 if (load)                                                                                            \
                     memcpy(c + t * d, run, (size_t)d * sizeof(T));                                                   \
                 else                                                                                                 \
@@ -156,23 +158,24 @@ done:
         } else if (load) {                                                                                           \
             for (int64_t j = 0; j < d; j++)                                                                          \
                 for (int64_t t = 0; t < b; t++)                                                                      \
-                    c[j * b + t] = r[(t * h + head) * d + j];                                                        \
+                    c[j * b + t] = r[(t * rh + head) * d + j];                                                       \
         } else {                                                                                                     \
             for (int64_t j = 0; j < d; j++)                                                                          \
                 for (int64_t t = 0; t < b; t++)                                                                      \
-                    r[(t * h + head) * d + j] = c[j * b + t];                                                        \
+                    r[(t * rh + head) * d + j] = c[j * b + t];                                                       \
         }                                                                                                            \
     } while (0)
 
 /* A copy_kv_blocks spec and its index vectors checked: 1 fine, 0 an index out of range, -1 a bad spec (raised). */
 static int kv_check(const int64_t *sp, Py_ssize_t spec_len, const int64_t *bi, const int64_t *pi, Py_ssize_t n,
                     Py_ssize_t n_pages) {
-    if (spec_len != 12) {
-        PyErr_SetString(PyExc_ValueError, "copy_kv_blocks: spec holds 12 int64s");
+    if (spec_len != 13) {
+        PyErr_SetString(PyExc_ValueError, "copy_kv_blocks: spec holds 13 int64s");
         return -1;
     }
-    int64_t b = sp[5], h = sp[6], d = sp[7], es = sp[8];
-    if (!sp[0] || !sp[2] || !sp[3] || b <= 0 || h <= 0 || d <= 0 || (es != 1 && es != 2 && es != 4 && es != 8)) {
+    int64_t b = sp[5], h = sp[6], d = sp[7], es = sp[8], rh = sp[12];
+    if (!sp[0] || !sp[2] || !sp[3] || b <= 0 || h <= 0 || d <= 0 || rh < h ||
+        (es != 1 && es != 2 && es != 4 && es != 8)) {
         PyErr_SetString(PyExc_ValueError, "copy_kv_blocks: a null address or a bad geometry in spec");
         return -1;
     }
@@ -187,10 +190,10 @@ static int kv_check(const int64_t *sp, Py_ssize_t spec_len, const int64_t *bi, c
 /* The copy itself (checked by kv_check; no Python object touched: it may run on a thread without the GIL). */
 static void kv_copy(const int64_t *sp, const int64_t *bi, const int64_t *pi, Py_ssize_t n, int load) {
     char *kv = (char *)(uintptr_t)sp[0], *kb = (char *)(uintptr_t)sp[2], *vb = (char *)(uintptr_t)sp[3];
-    int64_t b = sp[5], h = sp[6], d = sp[7], es = sp[8];
+    int64_t b = sp[5], h = sp[6], d = sp[7], es = sp[8], rh = sp[12];
     int heads_out = sp[9] != 0, k_cols = sp[10] != 0, v_cols = sp[11] != 0;
     size_t chunk_bytes = (size_t)(b * d * es), block_bytes = 2 * (size_t)h * chunk_bytes;
-    size_t page_bytes = (size_t)(b * h * d * es);
+    size_t page_bytes = (size_t)(b * rh * d * es);
     for (Py_ssize_t i = 0; i < n; i++) {
         char *block = kv + (size_t)bi[i] * block_bytes;
         for (int kind = 0; kind < 2; kind++) {
@@ -233,7 +236,7 @@ static PyObject *copy_kv_blocks(PyObject *self, PyObject *args, PyObject *kw) {
 }
 
 typedef struct {
-    int64_t spec[12];
+    int64_t spec[13];
     Py_ssize_t n;
     int64_t *blocks, *pages;
 } Job;

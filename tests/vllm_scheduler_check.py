@@ -95,7 +95,12 @@ def main() -> None:
         assert len(meta.stores) == 1 and meta.stores[0][2] == [[7, 8, 9]], meta.stores
         owner = SimpleNamespace(_sched=sched)
         assert RadixdConnector.has_pending_push_work(owner)
-        sched.stored({meta.stores[0][0]})  # the workers copied it: published by the store thread
+        sid = meta.stores[0][0]
+        sched.stored({sid: 1}, workers=2)  # one of two ranks copied its heads: not published yet
+        assert RadixdConnector.has_pending_push_work(owner) and sid in sched.stores
+        from radixd.vllm.connector import RadixdWorkerMetadata
+        assert RadixdWorkerMetadata({sid: 1}).aggregate(RadixdWorkerMetadata({sid: 1, 99: 1})).stored == {sid: 2, 99: 1}
+        sched.stored({sid: 1}, workers=2)  # the other rank's report, a step later: published by the store thread
         assert not RadixdConnector.has_pending_push_work(owner)
         assert not RadixdConnector.has_pending_push_work(SimpleNamespace(_sched=None))  # (a worker's connector)
         _until(lambda: c.match_prefix(np.asarray(b[:3 * PAGE], np.int32)).matched_len == 3 * PAGE,

@@ -44,6 +44,18 @@ def main() -> None:
         pools = c.map_pools()
         res = {"tokens": n, "layers": []}
         ok = True
+        if pools.device[0].descriptor.mla:  # MLA: transformers caches each token's normalized latent (keys) and its
+            # rotated key part (values), single-head; radixd's latent buffer holds both, in that order, per slot
+            idx = torch.from_numpy(np.array(m.indices, dtype=np.int64))
+            for i in attention:
+                latent, pe = true_k[i][:, 0], true_v[i][:, 0]
+                got = pools.device[0].kv_buffer[i][idx, 0].float()
+                d_latent = float((got[:, :latent.shape[1]] - latent).abs().max())
+                d_pe = float((got[:, latent.shape[1]:] - pe).abs().max())
+                scale = max(float(latent.abs().max()), float(pe.abs().max()))
+                ok &= max(d_latent, d_pe) <= 1e-4 * max(scale, 1.0)
+                res["layers"].append(dict(latent=d_latent, rotary=d_pe, scale=scale, compared=len(latent), pool="mla"))
+            attention = []
         for i in sorted(attention):
             if hybrid and i in hybrid["swa_layers"]:
                 pool, at, slots = pools.swa, hybrid["swa_layers"].index(i), m.swa_indices

@@ -44,6 +44,17 @@ that boundary (radixd keeps a copy), and a hit, which radixd ends where it has a
 the hit's last state block and into the block the step's forward runs on (vLLM filled that one from the hit's
 block before the connector's load). The lookup covers the prompt up to its last loadable page only. States are
 published every radixd `--mamba-chunk` tokens (rounded to whole blocks) and at the prompt's last block boundary.
+Tensor and pipeline parallelism: radixd holds every KV head of a page whatever the engine's split (start it with the
+whole model's geometry), so engines of any TP size share pages. The scheduler side (one per engine) makes the radixd
+calls; each worker rank maps radixd's pool and copies its own heads of each page (`layout.head_share`: with fewer KV
+heads than ranks, a head's first replica writes it and every replica reads it), each pipeline stage its own layers
+(found by the layer index in their names), and a Mamba layer's rank its own x channels and heads of the state (B and
+C of a single group, which vLLM replicates, written by rank 0). An MLA model's latent (radixd's --mla pool) is every
+rank's whole: rank 0 writes it, all read it. Every worker reports each store it has copied; vLLM
+sums the reports (`RadixdWorkerMetadata.aggregate`) and a store is published once all `world_size` workers have
+reported it, any failure dropping it. A rank that dies takes its engine down (vLLM's executor), and the engine's
+radixd session with it. On GPU the pages must sit in one device pool (radixd with one `--gpus` ordinal), which ranks
+on other GPUs copy to and from across GPUs.
 The relay (`radixd_relay`, default true): the scheduler side's session, its calls and the events stream live in a
 helper process (client/relay.py, started on the connector's CPUs); the engine's threads hand it each call's bytes
 over a socket of their own and wait without the GIL. gRPC's threads and the Python of each call and each events batch
@@ -99,8 +110,8 @@ from radixd.client.events import MEDIA, LocalIndex
 from radixd.client.pools import populate_in_background
 from radixd.server.config import DEFAULT_SOCKET
 
-from .layout import (CopyQueue, CpuViews, Geometry, Ticket, aligned_pages, cpu_views, geometry, load_blocks,
-                     probe_cpu_layout, save_blocks)
+from .layout import (CopyQueue, CpuViews, Geometry, Ticket, aligned_pages, cpu_views, geometry, head_share,
+                     load_blocks, probe_cpu_layout, save_blocks)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -133,14 +144,19 @@ class RadixdConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class RadixdWorkerMetadata(KVConnectorWorkerMetadata):
-    """Store ids a worker has copied into radixd since its last report, and ids whose copy failed."""
+    """Store ids copied into radixd since the last report, each with how many workers copied it (a tensor- or
+    pipeline-parallel engine's ranks each copy their own heads and layers: vLLM sums the workers' reports and the
+    scheduler publishes a store once every worker has reported it), and ids whose copy failed on any worker."""
 
-    stored: set[int] = field(default_factory=set)
+    stored: dict[int, int] = field(default_factory=dict)
     failed: set[int] = field(default_factory=set)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, RadixdWorkerMetadata)
-        return RadixdWorkerMetadata(self.stored | other.stored, self.failed | other.failed)
+        counts = dict(self.stored)
+        for sid, n in other.stored.items():
+            counts[sid] = counts.get(sid, 0) + n
+        return RadixdWorkerMetadata(counts, self.failed | other.failed)
 
 
 class _Req:
@@ -203,9 +219,13 @@ class RadixdConnector(KVConnectorBase_V1):
         self.block_size = vllm_config.cache_config.block_size
         self.cache_dtype = vllm_config.cache_config.cache_dtype
         self.model_dtype = vllm_config.model_config.dtype
-        tp = vllm_config.parallel_config.tensor_parallel_size
-        if tp != 1:
-            raise ValueError(f"radixd connector: tensor_parallel_size {tp} is not supported yet (use 1)")
+        self.mla = bool(vllm_config.model_config.use_mla)  # (one latent per token: radixd's --mla pool)
+        par = vllm_config.parallel_config
+        if par.decode_context_parallel_size > 1 or par.prefill_context_parallel_size > 1:
+            raise ValueError("radixd connector: context parallelism (decode_context_parallel_size, "
+                             "prefill_context_parallel_size) is not supported; tensor and pipeline parallelism are")
+        self.tp, self.pp = par.tensor_parallel_size, par.pipeline_parallel_size
+        self.workers = par.world_size  # (every worker reports each store it copied: its heads, its layers)
         self.groups = _group_kinds(kv_cache_config) if self.hma else ["full"]
         self.cpus = helper_cpus(str(extra.get("radixd_cpus", "auto")), vllm_config)
         # the scheduler side's calls and events through a relay process: gRPC's threads and each call's Python out of
@@ -251,7 +271,7 @@ class RadixdConnector(KVConnectorBase_V1):
         t = time.perf_counter()
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, RadixdWorkerMetadata):
-            self._sched.stored(meta.stored, meta.failed)
+            self._sched.stored(meta.stored, meta.failed, self.workers)
         self._sched.meter.charge_step(t)
 
     def has_pending_push_work(self) -> bool:
@@ -450,6 +470,7 @@ class _Scheduler:
         self.checkpoint = self.page * chunk // math.gcd(self.page, chunk)
         self.reqs: dict[str, _Req] = {}
         self.stores: dict[int, tuple] = {}  # id -> (request, start, end, slots as rows of pages, swa floor, state)
+        self.copied: dict[int, int] = {}  # store id -> the workers that reported its copy (until all have)
         self._next = 0
         self.running = 0  # requests past their lookup that vLLM has not finished: the engine has other work
         self.hits = 0  # tokens loaded from radixd (for tests and logs)
@@ -516,6 +537,7 @@ class _Scheduler:
                 st.pending = False
                 self.running += 1
         self.stores.clear()  # copies the workers may still report: their slots are gone with the old instance
+        self.copied.clear()
         for rid in [rid for rid, st in self.reqs.items() if st.finished]:
             self.reqs.pop(rid)
         self.reattached += 1
@@ -704,10 +726,23 @@ class _Scheduler:
                     floor = max(floor, start + (nulls[-1] + 1) * self.page)
         return floor
 
-    def stored(self, ids: set[int], failed: set[int] = frozenset()) -> None:
-        """Workers copied these stores: hand them to the store thread to publish, then finish requests that
-        waited on them. A failed copy's slots go back, and its request stores nothing more."""
-        for sid in sorted(ids | failed):
+    def stored(self, ids: Collection[int] | dict[int, int], failed: Collection[int] = frozenset(),
+               workers: int = 1) -> None:
+        """Workers copied these stores (with how many of the engine's `workers` did, where counted): a store every
+        worker has copied goes to the store thread to publish, then requests that waited on it finish. A failed copy's
+        slots go back, and its request stores nothing more."""
+        counts = ids if isinstance(ids, dict) else dict.fromkeys(ids, 1)
+        done = set()
+        for sid, n in counts.items():
+            n += self.copied.pop(sid, 0)
+            if n >= workers:
+                done.add(sid)
+            elif sid not in failed:
+                self.copied[sid] = n  # (the other ranks' copies are reported at a later step)
+        for sid in failed:
+            self.copied.pop(sid, None)
+        failed = set(failed)
+        for sid in sorted(done | failed):
             entry = self.stores.pop(sid, None)
             if entry is None:
                 continue
@@ -766,6 +801,14 @@ def _client(conn: RadixdConnector, name: str) -> CacheClient:
         except Unavailable as e:
             log.warning("radixd connector: no relay process (%s); calling radixd from this process", e)
     return CacheClient(conn.target, token=conn.token, name=name)
+
+
+def _numbers(names: list[str]) -> list[int]:
+    """Each vLLM layer's index in the model, from its name (a pipeline stage holds some of them)."""
+    numbers = [int(_LAYER.findall(n)[0]) if _LAYER.search(n) else -1 for n in names]
+    if min(numbers, default=0) < 0 or len(set(numbers)) != len(numbers):
+        raise ValueError(f"radixd connector: cannot tell the model's layers apart by their names: {names[:4]}...")
+    return numbers
 
 
 def _check_hybrid_server(info: dict, groups: list[str]) -> None:
@@ -935,8 +978,47 @@ class _Layerwise:
         self.started = False  # whether the copy thread was woken after the last submit
 
 
+def _tp_rank(tp: int) -> int:
+    """This worker's tensor-parallel rank, as vLLM's process groups have it."""
+    if tp == 1:
+        return 0
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+    return get_tensor_model_parallel_rank()
+
+
+def _state_rows(conv_dim: int, temporal: tuple, local_dim: int, tp: int, rank: int) -> tuple[np.ndarray, np.ndarray]:
+    """A Mamba2 rank's conv channels among radixd's `conv_dim` (x, then the B and C groups) and those it writes: vLLM
+    shards x, B and C each by rank, or, with one group, gives every rank the whole of B and C (replicas: rank 0 writes
+    them). radixd's temporal state [heads, head_dim, d_state] gives x's width and the groups' state size."""
+    heads, head_dim, d_state = temporal
+    x = heads * head_dim
+    gn = (conv_dim - x) // 2
+    if gn <= 0 or (conv_dim - x) % 2 or gn % d_state or x % tp:
+        raise ValueError(f"radixd connector (hybrid): a conv state of {conv_dim} channels is not a Mamba2 state of "
+                         f"{heads} heads of {head_dim} (x) and two groups of state {d_state} (B, C)")
+    groups = gn // d_state
+    part = x // tp
+    own = np.arange(rank * part, (rank + 1) * part)
+    if groups % tp == 0:
+        g = gn // tp
+        bc = np.concatenate([np.arange(x + rank * g, x + (rank + 1) * g),
+                             np.arange(x + gn + rank * g, x + gn + (rank + 1) * g)])
+        writes = np.ones(len(own) + len(bc), dtype=bool)
+    elif groups == 1:  # (vLLM replicates a single group on every rank)
+        bc = np.arange(x, conv_dim)
+        writes = np.concatenate([np.ones(len(own), dtype=bool), np.full(len(bc), rank == 0)])
+    else:
+        raise ValueError(f"radixd connector (hybrid): {groups} Mamba groups do not split over {tp} ranks")
+    rows = np.concatenate([own, bc])
+    if len(rows) != local_dim:
+        raise ValueError(f"radixd connector (hybrid): rank {rank} of {tp} holds {local_dim} conv channels; radixd's "
+                         f"state of {conv_dim} gives it {len(rows)}")
+    return rows, writes
+
+
 class _Worker:
-    """Maps radixd's pools and copies pages between them and vLLM's blocks, each layer in its own group."""
+    """Maps radixd's pools and copies pages between them and vLLM's blocks, each layer in its own group; a tensor-
+    parallel rank copies its own KV heads and state channels, a pipeline stage its own layers."""
 
     def __init__(self, conn: RadixdConnector):
         self.conn = conn
@@ -953,10 +1035,13 @@ class _Worker:
         self.pools = None
         self._old_pools = None  # the pools of the radixd instance before a restart (copies may still use them)
         self.instance = ""  # the radixd instance whose pools are mapped
-        self.plan: list[tuple[torch.Tensor, int, torch.Tensor, torch.Tensor, bool]] = []  # kv, group, k, v, swa
+        # kv, group, radixd's k and v (every head), swa, this rank's first head there, whether this rank writes it
+        self.plan: list[tuple[torch.Tensor, int, torch.Tensor, torch.Tensor, bool, int, bool]] = []
         self.views: list[Optional[CpuViews]] = []  # per plan entry: its numpy views (a CPU vec-kernel layout)
-        # state layers: (group, vLLM's conv and temporal views [blocks, ...], radixd's [slots, ...], conv transposed)
-        self.states: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool]] = []
+        # state layers: (group, vLLM's conv and temporal views [blocks, ...], radixd's [slots, ...], conv transposed,
+        # this rank's conv channels and temporal heads in radixd's (None: all), the channels it writes)
+        self.states: list[tuple] = []
+        self.rank = 0  # tensor-parallel rank
         self.queue: Any = None  # CPU, native: the copy queue (register)
         self._spec_of: dict[str, np.ndarray] = {}  # layer name -> its copy_kv_blocks spec
         self._last_layer = ""
@@ -973,7 +1058,8 @@ class _Worker:
             state_names = [n for n in names if kinds[group_of[n]] == "mamba"]
             names = [n for n in names if kinds[group_of[n]] != "mamba"]
         self.layers = [kv_caches[n] for n in names]
-        self.geo = geometry(self.layers[0], self.conn.block_size)
+        self.rank = _tp_rank(self.conn.tp)
+        self.geo = geometry(self.layers[0], self.conn.block_size, self.conn.mla)
         if self.geo.layout == "cpu":
             self.geo = _probe_cpu_kernel(self.geo, self.conn)
         cpus = self.conn.cpus
@@ -994,7 +1080,7 @@ class _Worker:
         # Loads stay here, before the forward: through the queue, layer by layer, a hit's TTFT measured worse (the
         # first layer has little forward to overlap, and the hand-over costs a wake)
         if CopyQueue is not None and not self.conn.hma and self.stream is None and self.views and \
-                all(v is not None and v.spec is not None for v in self.views):
+                all(v is not None and v.spec is not None for v in self.views) and all(p[6] for p in self.plan):
             self.queue = beside(self.conn.cpus, CopyQueue)
             self._spec_of = {name: v.spec for name, v in zip(names, self.views)}
             self._last_layer = names[-1]  # (the forward's last: names are in layer order)
@@ -1006,7 +1092,12 @@ class _Worker:
         client = beside(cpus, lambda: CacheClient(self.conn.target, token=self.conn.token, attach=False))
         try:
             info = client.info()
-            self.pools = client.map_pools(self.layers[0].device, host=False)
+            if self.conn.tp > 1 and len(info["device_pools"]) > 1:
+                raise ValueError(f"radixd connector: a tensor-parallel engine needs radixd's pages in one device pool "
+                                 f"(every rank copies its heads of each page there); radixd has "
+                                 f"{len(info['device_pools'])}: start it with one --gpus ordinal")
+            # (a rank on another GPU than radixd's pool maps it all the same: its copies go between the GPUs)
+            self.pools = client.map_pools(self.layers[0].device, host=False, elsewhere=self.conn.tp > 1)
         finally:
             client.close()
         self.instance = info["instance_id"]
@@ -1017,12 +1108,15 @@ class _Worker:
             self.plan = self._hybrid_plan(names, info)
             self.states = self._state_plan(state_names, kv_caches, info, group_of)
         else:
-            self._check(dev, len(self.layers), "")
-            self.plan = [(kv, 0, dev.k_buffer[i], dev.v_buffer[i], False) for i, kv in enumerate(self.layers)]
-        if dev.k_buffer[0].device != self.layers[0].device:
-            raise ValueError(f"radixd connector: radixd's pool is on {dev.k_buffer[0].device}, vLLM's KV on "
-                             f"{self.layers[0].device}")
-        self.views = [cpu_views(kv, self.geo, k, v) for kv, _, k, v, _ in self.plan]
+            numbers = _numbers(names) if self.conn.pp > 1 else list(range(len(names)))
+            first, writes = self._check(dev, numbers, "")
+            ks, vs = (dev.kv_buffer, [None] * len(dev.kv_buffer)) if dev.descriptor.mla else \
+                (dev.k_buffer, dev.v_buffer)
+            self.plan = [(kv, 0, ks[n], vs[n], False, first, writes) for n, kv in zip(numbers, self.layers)]
+        where = (dev.kv_buffer or dev.k_buffer)[0].device
+        if where.type != self.layers[0].device.type:
+            raise ValueError(f"radixd connector: radixd's pool is on {where}, vLLM's KV on {self.layers[0].device}")
+        self.views = [cpu_views(kv, self.geo, k, v, first) for kv, _, k, v, _, first, _ in self.plan]
 
     def _remap(self, instance: str) -> None:
         """radixd restarted and the scheduler attached to `instance`: map its pools. The old mapping is kept until
@@ -1038,14 +1132,26 @@ class _Worker:
             self._spec_of = {name: v.spec for name, v in zip(self._layout[0], self.views)}
         log.warning("radixd connector worker: mapped the pools of radixd instance %s", self.instance)
 
-    def _check(self, pool, layers: int, what: str) -> None:
-        d = pool.descriptor
-        want = (layers, self.geo.kv_heads, self.geo.head_dim, self.geo.block_size, self.geo.dtype)
-        have = (d.num_layers, d.kv_heads, d.head_dim, d.page_size, pool.k_buffer[0].dtype if pool.k_buffer else None)
-        if d.mla or want != have:
-            raise ValueError(f"radixd connector: the {what}KV geometry differs (layers, kv heads, head dim, page "
-                             f"size, dtype): vLLM has {want}, radixd has {have}; start radixd with matching "
-                             "--layers/--kv-heads/--head-dim/--page-size/--dtype (or --model-config)")
+    def _check(self, pool, numbers: list[int], what: str) -> tuple[int, bool]:
+        """radixd's pool against this worker's layers (their indices in the pool: a pipeline stage has some of them)
+        and its share of the KV heads (radixd holds every head; a tensor-parallel rank copies its own): the rank's
+        first head in radixd's and whether it writes it."""
+        d, tp = pool.descriptor, self.conn.tp
+        total = d.kv_heads
+        share = total // tp if total % tp == 0 else 1 if tp % total == 0 else 0  # (head_share's, as vLLM shards)
+        layers = len(numbers) if self.conn.pp == 1 else d.num_layers  # (a stage: its layers are in range, below)
+        vllm = (layers, self.geo.kv_heads, self.geo.head_dim, self.geo.block_size, self.geo.dtype)
+        bufs = pool.kv_buffer or pool.k_buffer
+        radixd = (d.num_layers, share, d.head_dim, d.page_size, bufs[0].dtype if bufs else None)
+        if d.mla != (self.geo.layout == "mla") or vllm != radixd or max(numbers) >= d.num_layers:
+            per = f" per rank of {tp}" if tp > 1 else ""
+            mla = f" MLA: vLLM {self.geo.layout == 'mla'}, radixd {d.mla};"
+            raise ValueError(f"radixd connector: the {what}KV geometry differs (layers, kv heads{per}, head dim, "
+                             f"page size, dtype):{mla} vLLM has {vllm}, radixd has {radixd} (layers {sorted(numbers)} "
+                             "here); start radixd with the whole model's --layers/--kv-heads/--head-dim/--page-size/"
+                             "--dtype (or --model-config, without --tp-size)")
+        first, _, writes = head_share(total, self.geo.kv_heads, tp, self.rank)
+        return first, writes
 
     def _hybrid_plan(self, names: list[str], info: dict) -> list:
         """Each vLLM layer -> its KV cache group and its buffers in radixd's FULL or SWA pool."""
@@ -1055,12 +1161,15 @@ class _Worker:
                              "--hybrid-cache --model-config <this model's config.json>")
         group_of = {n: g for g, grp in enumerate(self.conn._kv_cache_config.kv_cache_groups) for n in grp.layer_names}
         full, swa = h["full_layers"], h["swa_layers"]
-        self._check(self.pools.device[0], len(full), "full-attention ")
-        if swa:
-            self._check(self.pools.swa, len(swa), "sliding-window ")
+        numbers = _numbers(names)
+        shares = {}
+        for pool, kind, what in ((self.pools.device[0], full, "full-attention "),
+                                 (self.pools.swa, swa, "sliding-window ")):
+            mine = [kind.index(n) for n in numbers if n in kind]
+            if mine:
+                shares[id(pool)] = self._check(pool, mine if self.conn.pp > 1 else list(range(len(kind))), what)
         plan = []
-        for name, kv in zip(names, self.layers):
-            n = int(_LAYER.findall(name)[0])
+        for n, name, kv in zip(numbers, names, self.layers):
             if n in full:
                 pool, i, is_swa = self.pools.device[0], full.index(n), False
             elif n in swa:
@@ -1071,13 +1180,14 @@ class _Worker:
             if is_swa != self.conn.groups[group_of[name]].startswith("swa"):
                 raise ValueError(f"radixd connector (hybrid): layer {name} is {'not ' if is_swa else ''}sliding-"
                                  "window in vLLM but the other way round in radixd's layout")
-            plan.append((kv, group_of[name], pool.k_buffer[i], pool.v_buffer[i], is_swa))
+            plan.append((kv, group_of[name], pool.k_buffer[i], pool.v_buffer[i], is_swa, *shares[id(pool)]))
         return plan
 
     def _state_plan(self, names: list[str], kv_caches: dict[str, torch.Tensor], info: dict,
                     group_of: dict[str, int]) -> list:
         """Each vLLM Mamba layer -> views of its conv and temporal state per block (vLLM packs both into one raw
-        page per block) and its buffers in radixd's state pool, with the conv state's orientation."""
+        page per block) and its buffers in radixd's state pool, with the conv state's orientation and, for a
+        tensor-parallel rank, its conv channels and temporal heads there (radixd holds the whole state)."""
         if not names:
             return []
         h, pool = info["hybrid"], self.pools.state
@@ -1100,37 +1210,52 @@ class _Worker:
                 off += nbytes
             conv, temporal = views
             rconv, rtemp = pool.conv_buffer[i], pool.temporal_buffer[i]
-            if tuple(conv.shape[1:]) == tuple(rconv.shape[1:]):
-                flip = False
-            elif tuple(conv.shape[1:]) == tuple(rconv.shape[1:])[::-1]:
-                flip = True  # vLLM's default (state_len, dim) against radixd's (dim, state_len), as SGLang's
+            (dim, width), mine, tp = tuple(rconv.shape[1:]), tuple(conv.shape[1:]), self.conn.tp
+            if mine == (dim, width) or (tp > 1 and mine[1] == width):
+                flip, local = False, mine[0]
+            elif mine == (width, dim) or (tp > 1 and mine[0] == width):
+                flip, local = True, mine[1]  # vLLM's default (state_len, dim) against radixd's (dim, state_len)
             else:
-                raise ValueError(f"radixd connector (hybrid): the conv state of {name} is {tuple(conv.shape[1:])} in "
-                                 f"vLLM and {tuple(rconv.shape[1:])} in radixd")
-            if tuple(temporal.shape[1:]) != tuple(rtemp.shape[1:]) or conv.dtype != rconv.dtype or \
+                raise ValueError(f"radixd connector (hybrid): the conv state of {name} is {mine} in vLLM and "
+                                 f"{(dim, width)} in radixd")
+            rows = wsel = wrows = None
+            heads = slice(None)
+            if tp > 1:  # (radixd's state is the whole model's; this rank's channels and heads of it)
+                at, writes = _state_rows(dim, tuple(rtemp.shape[1:]), local, tp, self.rank)
+                rows = torch.from_numpy(at).to(rconv.device)
+                wsel = torch.from_numpy(np.flatnonzero(writes)).to(rconv.device)
+                wrows = rows[wsel]
+                per = rtemp.shape[1] // tp
+                heads = slice(self.rank * per, (self.rank + 1) * per)
+            if tuple(temporal.shape[1:]) != tuple(rtemp[:, heads].shape[1:]) or conv.dtype != rconv.dtype or \
                     temporal.dtype != rtemp.dtype:
                 raise ValueError(f"radixd connector (hybrid): the state of {name} differs: vLLM has conv "
                                  f"{conv.dtype}, temporal {tuple(temporal.shape[1:])} {temporal.dtype}; radixd has "
                                  f"conv {rconv.dtype}, temporal {tuple(rtemp.shape[1:])} {rtemp.dtype} (config's "
                                  "torch_dtype / mamba_ssm_cache_dtype)")
-            plan.append((group_of[name], conv, temporal, rconv, rtemp, flip))
+            plan.append((group_of[name], conv, temporal, rconv, rtemp, flip, rows, wsel, wrows, heads))
         return plan
 
     def _copy_states(self, groups: list[list[int]], slot: int, load: bool, running: Optional[list[int]] = None) -> None:
         """radixd's state slot <-> the last block of each Mamba group's span (a load: and the running block)."""
         if slot < 0:
             return
-        for g, conv, temporal, rconv, rtemp, flip in self.states:
+        for g, conv, temporal, rconv, rtemp, flip, rows, wsel, wrows, heads in self.states:
             block = groups[g][-1] if groups[g] else 0
             if block == 0:
                 raise RuntimeError(f"radixd connector: no state block in Mamba group {g} ({groups[g]})")
             if load:
+                src = rconv[slot] if rows is None else rconv[slot].index_select(0, rows)  # [channels, width]
                 for b in {block, running[g] if running else 0} - {0}:
-                    conv[b].copy_(rconv[slot].t() if flip else rconv[slot])
-                    temporal[b].copy_(rtemp[slot])
+                    conv[b].copy_(src.t() if flip else src)
+                    temporal[b].copy_(rtemp[slot][heads])
             else:
-                rconv[slot].copy_(conv[block].t() if flip else conv[block])
-                rtemp[slot].copy_(temporal[block])
+                mine = conv[block].t() if flip else conv[block]
+                if rows is None:
+                    rconv[slot].copy_(mine)
+                else:  # (channels another rank holds too are written by rank 0 only)
+                    rconv[slot].index_copy_(0, wrows, mine.index_select(0, wsel))
+                rtemp[slot][heads].copy_(temporal[block])
 
     def _copy(self, fn) -> None:
         """Run page copies on the side stream (GPU), ordered after the forward's writes, and wait for them:
@@ -1147,7 +1272,7 @@ class _Worker:
         """(group, swa) -> (vLLM blocks, radixd page first slots), leaving out null blocks (outside a window)
         and pages without an SWA twin."""
         out = {}
-        for _, g, _, _, swa in self.plan:
+        for _, g, _, _, swa, _, _ in self.plan:
             if (g, swa) in out:
                 continue
             src = twins if swa else pages
@@ -1159,9 +1284,9 @@ class _Worker:
 
     def _each_layer(self, pairs: dict, load: bool) -> None:
         """Copy every layer's pages: through the layer's numpy views where it has them, else by torch's gather."""
-        for (kv, g, k, v, swa), views in zip(self.plan, self.views):
+        for (kv, g, k, v, swa, first, writes), views in zip(self.plan, self.views):
             pr = pairs.get((g, swa))
-            if pr is None:
+            if pr is None or not (load or writes):  # (a head another rank writes: it holds the same values)
                 continue
             if views is not None and pr.pages is not None:
                 if load:
@@ -1170,7 +1295,7 @@ class _Worker:
                     views.save(pr.blocks_np, pr.pages)
             else:
                 blocks, starts = pr.tensors
-                (load_blocks if load else save_blocks)(kv, self.geo, blocks, k, v, starts)
+                (load_blocks if load else save_blocks)(kv, self.geo, blocks, k, v, starts, first)
 
     def _step_for(self, meta: RadixdConnectorMetadata) -> Optional[_Layerwise]:
         """The step's stores on the copy queue, set up at its first save_kv_layer (lists as vLLM's scheduler sent
@@ -1320,7 +1445,8 @@ class _Worker:
         self._poll()
         if not (self.done or self.failed):
             return None
-        out, self.done, self.failed = RadixdWorkerMetadata(self.done, self.failed), set(), set()
+        out = RadixdWorkerMetadata(dict.fromkeys(self.done, 1), self.failed)
+        self.done, self.failed = set(), set()
         return out
 
     def close(self) -> None:

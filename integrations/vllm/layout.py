@@ -10,6 +10,11 @@ consecutive slots, K after RoPE, exactly as the model computed it. vLLM's block 
          giving a permutation of the block that converts exactly; a kernel whose block is not a
          permutation of K and V (quantized, padded in ways that lose elements) is refused at start.
   flash  [2, num_blocks, block_size, kv_heads, head_dim] (FlashAttention on GPU; index 0 is K).
+  mla    [num_blocks, 1, block_size, latent] or [num_blocks, block_size, latent] (MLA: each token's compressed KV
+         and its rotated key part, one "head" that every tensor-parallel rank holds whole); radixd's latent buffer
+         is [slots, 1, latent].
+radixd holds every KV head of a page, whatever the engine's parallelism: a tensor-parallel rank copies its own heads
+of each slot (`head_share`, as vLLM shards them), so engines of any TP size read the same pages.
 A page moves in one gather or scatter per layer; values are copied exactly. A CPU block that is a strided view of
 K and V (the vec kernels') is copied through numpy views of it (`CpuViews`), or client/_pagecopy.c's
 copy_kv_blocks where it is built, without the general per-element gather.
@@ -34,7 +39,7 @@ except ImportError:
 class Geometry:
     """What a vLLM layer tensor holds, read off its shape (and, on CPU, probed from the kernel)."""
 
-    layout: str  # "cpu" | "flash"
+    layout: str  # "cpu" | "flash" | "mla"
     num_blocks: int
     block_size: int
     kv_heads: int
@@ -46,13 +51,46 @@ class Geometry:
     written: Optional[torch.Tensor] = None
 
 
-def geometry(kv: torch.Tensor, block_size: int) -> Geometry:
-    """Recognise a layer tensor's layout given the engine's block size."""
+def geometry(kv: torch.Tensor, block_size: int, mla: bool = False) -> Geometry:
+    """Recognise a layer tensor's layout given the engine's block size (and whether the model uses MLA: its latent
+    cache has the CPU layout's rank)."""
+    if mla:
+        if kv.dim() == 4 and kv.shape[1] == 1 and kv.shape[2] == block_size or \
+                kv.dim() == 3 and kv.shape[1] == block_size:
+            return Geometry("mla", kv.shape[0], block_size, 1, kv.shape[-1], kv.dtype)
+        raise ValueError(f"unsupported vLLM MLA KV layout {tuple(kv.shape)} for block size {block_size}")
     if kv.dim() == 5 and kv.shape[0] == 2 and kv.shape[2] == block_size:
         return Geometry("flash", kv.shape[1], block_size, kv.shape[3], kv.shape[4], kv.dtype)
     if kv.dim() == 4 and kv.shape[2] == block_size and kv.shape[3] % 2 == 0:
         return Geometry("cpu", kv.shape[0], block_size, kv.shape[1], kv.shape[3] // 2, kv.dtype)
+    if kv.dim() == 3 and kv.shape[1] == block_size:
+        return Geometry("mla", kv.shape[0], block_size, 1, kv.shape[2], kv.dtype)
     raise ValueError(f"unsupported vLLM KV layout {tuple(kv.shape)} for block size {block_size}")
+
+
+def head_share(total: int, local: int, tp: int, rank: int, mla: bool = False) -> tuple[int, int, bool]:
+    """A tensor-parallel rank's KV heads among radixd's `total` (first, count) and whether it writes them: vLLM gives
+    each rank total/tp heads, or, with fewer heads than ranks, one head that tp/total ranks share (replicas), and an
+    MLA latent to every rank; a shared head is written by its first rank only and read by all."""
+    if mla:
+        total = 1  # (one latent per token, the same on every rank)
+    if total >= tp:
+        if total % tp or local != total // tp:
+            raise ValueError(f"radixd connector: rank {rank} of {tp} holds {local} KV heads; radixd's pages hold "
+                             f"{total}, so each rank should hold {total / tp:g}")
+        return rank * local, local, True
+    if tp % total or local != 1:
+        raise ValueError(f"radixd connector: rank {rank} of {tp} holds {local} KV heads; radixd's pages hold "
+                         f"{total} (fewer than the ranks), so each rank should hold one replica")
+    replicas = tp // total
+    return rank // replicas, 1, rank % replicas == 0
+
+
+def _heads_view(a: np.ndarray, b: int, first: int, count: int) -> np.ndarray:
+    """radixd's [slots, heads, dim] buffer as [pages, b, count, dim] heads first..first+count: a view, never a copy
+    (a reshape that had to copy would write nowhere)."""
+    pages = np.reshape(a, (-1, b) + a.shape[1:], copy=False)
+    return pages[:, :, first:first + count]
 
 
 Writer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
@@ -168,13 +206,15 @@ class CpuViews:
         self.block_v[blocks] = self.page_v[pages]
 
 
-def cpu_views(kv: torch.Tensor, g: Geometry, k: torch.Tensor, v: torch.Tensor) -> Optional[CpuViews]:
+def cpu_views(kv: torch.Tensor, g: Geometry, k: torch.Tensor, v: torch.Tensor, first: int = 0) -> Optional[CpuViews]:
     """The layer's `CpuViews` when its copies can go through them: a CPU block that is a strided view of K and V
-    (vLLM 0.32.0's vec kernels), one dtype, radixd's buffers whole pages; else None (the general gather)."""
+    (vLLM 0.32.0's vec kernels), one dtype, radixd's buffers whole pages (its heads `first`.. of every slot: a
+    tensor-parallel rank's); else None (the general gather)."""
     form = _strided(g) if g.layout == "cpu" and kv.dtype == k.dtype == v.dtype else None
     b = g.block_size
     if form is None or not (kv.is_contiguous() and k.is_contiguous() and v.is_contiguous()) or \
-            k.shape[0] % b or v.shape[0] % b:
+            k.shape[0] % b or v.shape[0] % b or k.shape[1:] != v.shape[1:] or k.shape[2] != g.head_dim or \
+            first + g.kv_heads > k.shape[1]:
         return None
     n, h, d = g.num_blocks, g.kv_heads, g.head_dim
     heads_out, k_cols, v_cols = form
@@ -185,10 +225,11 @@ def cpu_views(kv: torch.Tensor, g: Geometry, k: torch.Tensor, v: torch.Tensor) -
         part = x[:, :, kind]  # [n, h, b * d]: its last axis is contiguous, so the reshapes below are views
         kinds.append(part.reshape(n, h, d, b).transpose(0, 3, 1, 2) if cols else
                      part.reshape(n, h, b, d).transpose(0, 2, 1, 3))
+    skip = first * d * k.element_size()  # (this rank's first head in each slot)
     spec = None if _copy_kv_blocks is None else np.array(
-        [kv.data_ptr(), n, k.data_ptr(), v.data_ptr(), min(k.shape[0], v.shape[0]) // b, b, h, d, kv.element_size(),
-         heads_out, k_cols, v_cols], dtype=np.int64)
-    views = CpuViews(kinds[0], kinds[1], _np(k).reshape(-1, b, h, d), _np(v).reshape(-1, b, h, d), spec)
+        [kv.data_ptr(), n, k.data_ptr() + skip, v.data_ptr() + skip, min(k.shape[0], v.shape[0]) // b, b, h, d,
+         kv.element_size(), heads_out, k_cols, v_cols, k.shape[1]], dtype=np.int64)
+    views = CpuViews(kinds[0], kinds[1], _heads_view(_np(k), b, first, h), _heads_view(_np(v), b, first, h), spec)
     if not all(np.shares_memory(a, base) for a, base in ((views.block_k, rows), (views.block_v, rows))):
         return None  # (never expected: a reshape that had to copy would write nowhere)
     return views
@@ -217,18 +258,27 @@ def aligned_pages(page_starts: Sequence[int], block_size: int) -> Optional[np.nd
     return None if (starts % block_size).any() else starts // block_size
 
 
+def _latent(kv: torch.Tensor) -> torch.Tensor:
+    """An MLA layer's blocks as [num_blocks, block_size, latent] (a view: writes land in the engine's cache)."""
+    return kv.squeeze(1) if kv.dim() == 4 else kv
+
+
 def load_blocks(kv: torch.Tensor, g: Geometry, blocks: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                page_starts: torch.Tensor) -> None:
-    """radixd pages (first slot of each) -> vLLM blocks, for one layer."""
-    views = cpu_views(kv, g, k, v)
+                page_starts: torch.Tensor, first: int = 0) -> None:
+    """radixd pages (first slot of each) -> vLLM blocks, for one layer (radixd's heads first.. of each slot)."""
+    views = cpu_views(kv, g, k, v, first)
     pages = aligned_pages(page_starts.tolist(), g.block_size) if views is not None else None
     if pages is not None:
         views.load(blocks.numpy(), pages)
         return
-    idx = _page_index(page_starts, g.block_size)
+    idx = _page_index(page_starts.to(k.device), g.block_size)  # (radixd's pool may sit on another GPU: peer copies)
     n, b = blocks.numel(), g.block_size
-    ks = k.index_select(0, idx).view(n, b, g.kv_heads, g.head_dim)
-    vs = v.index_select(0, idx).view(n, b, g.kv_heads, g.head_dim)
+    if g.layout == "mla":  # (v is None: one latent buffer)
+        _latent(kv)[blocks.to(kv.device)] = k.index_select(0, idx).view(n, b, g.head_dim).to(kv.device, kv.dtype)
+        return
+    k, v = k[:, first:first + g.kv_heads], v[:, first:first + g.kv_heads]
+    ks = k.index_select(0, idx).view(n, b, g.kv_heads, g.head_dim).to(kv.device)
+    vs = v.index_select(0, idx).view(n, b, g.kv_heads, g.head_dim).to(kv.device)
     if g.layout == "cpu":
         pos, src, _, dense = _probed(g, kv.device)
         both = torch.stack([ks, vs], dim=1).reshape(n, -1).to(kv.dtype)  # [n, 2 * b * H * D]
@@ -245,15 +295,19 @@ def load_blocks(kv: torch.Tensor, g: Geometry, blocks: torch.Tensor, k: torch.Te
 
 
 def save_blocks(kv: torch.Tensor, g: Geometry, blocks: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                page_starts: torch.Tensor) -> None:
-    """vLLM blocks -> radixd pages (first slot of each), for one layer."""
-    views = cpu_views(kv, g, k, v)
+                page_starts: torch.Tensor, first: int = 0) -> None:
+    """vLLM blocks -> radixd pages (first slot of each), for one layer (radixd's heads first.. of each slot)."""
+    views = cpu_views(kv, g, k, v, first)
     pages = aligned_pages(page_starts.tolist(), g.block_size) if views is not None else None
     if pages is not None:
         views.save(blocks.numpy(), pages)
         return
-    idx = _page_index(page_starts, g.block_size)
+    idx = _page_index(page_starts.to(k.device), g.block_size)  # (radixd's pool may sit on another GPU: peer copies)
     n, b = blocks.numel(), g.block_size
+    if g.layout == "mla":
+        k.index_copy_(0, idx, _latent(kv)[blocks.to(kv.device)].reshape(-1, 1, g.head_dim).to(k.device, k.dtype))
+        return
+    k, v = k[:, first:first + g.kv_heads], v[:, first:first + g.kv_heads]
     if g.layout == "cpu":
         _, _, gather, _ = _probed(g, kv.device)
         both = kv.view(g.num_blocks, -1).index_select(0, blocks).index_select(1, gather)  # one gather per block
@@ -263,5 +317,5 @@ def save_blocks(kv: torch.Tensor, g: Geometry, blocks: torch.Tensor, k: torch.Te
     else:
         ks = kv[0, blocks].reshape(-1, g.kv_heads, g.head_dim)
         vs = kv[1, blocks].reshape(-1, g.kv_heads, g.head_dim)
-    k.index_copy_(0, idx, ks.to(k.dtype))
-    v.index_copy_(0, idx, vs.to(v.dtype))
+    k.index_copy_(0, idx, ks.to(k.device, k.dtype))
+    v.index_copy_(0, idx, vs.to(v.device, v.dtype))

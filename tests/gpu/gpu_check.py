@@ -12,7 +12,8 @@
   layer_first host pool whose per-layer buffer is over 2 GiB (past the device's 2D-copy pitch);
 * bandwidth: backup and load-back of a large transfer at >= 80% of a plain pinned copy of the same bytes;
 * a state pool on the last GPU copies on that GPU (not GPU 0);
-* vLLM's FlashAttention block copies (integrations/vllm/layout.py) on CUDA tensors equal the CPU's, and the SGLang
+* vLLM's FlashAttention block copies (integrations/vllm/layout.py) on CUDA tensors equal the CPU's, tensor-parallel
+  ranks' head shares and an MLA latent copy between a rank's GPU and radixd's pool on another, and the SGLang
   backend's rank copies (integrations/sglang/copies.py) store and load every head, the pool on another GPU than
   the ranks' where there are two.
 """
@@ -309,6 +310,32 @@ def main() -> int:
         assert torch.equal(out[1][1][0:16], torch.arange(128 * 4 * 64, dtype=torch.float32).view(128, 4, 64)
                            .to(torch.bfloat16)[16:32])
         return "load and save"
+
+    @check
+    def vllm_tensor_parallel_ranks_copy_their_heads_across_gpus():
+        from radixd.vllm.layout import geometry, head_share, load_blocks, save_blocks  # (no vLLM import)
+        pool_dev, rank_dev = f"cuda:{last}", "cuda:0"  # with two GPUs, the ranks on GPU 0 and radixd's pool on the last
+        nb, b, heads, d, tp = 6, 16, 4, 64, 2
+        true_k = torch.randn(nb, b, heads, d, device=rank_dev).to(torch.bfloat16)
+        k = torch.zeros(8 * b, heads, d, dtype=torch.bfloat16, device=pool_dev)
+        v = torch.zeros_like(k)
+        blocks, starts = torch.tensor([4, 1], device=rank_dev), torch.tensor([2 * b, 5 * b], device=rank_dev)
+        for rank in range(tp):
+            first, count, writes = head_share(heads, heads // tp, tp, rank)
+            kv = torch.stack([true_k[:, :, first:first + count], -true_k[:, :, first:first + count]]).contiguous()
+            save_blocks(kv, geometry(kv, b), blocks, k, v, starts, first)
+        whole = torch.zeros(2, nb, b, heads, d, dtype=torch.bfloat16, device=rank_dev)
+        load_blocks(whole, geometry(whole, b), blocks, k, v, starts)
+        torch.cuda.synchronize()
+        assert torch.equal(whole[0, blocks], true_k[blocks]) and torch.equal(whole[1, blocks], -true_k[blocks])
+        lat = torch.randn(nb, 1, b, 576, device=rank_dev).to(torch.bfloat16)  # MLA: one latent, rank 0 writes it
+        buf = torch.zeros(8 * b, 1, 576, dtype=torch.bfloat16, device=pool_dev)
+        save_blocks(lat, geometry(lat, b, mla=True), blocks, buf, None, starts)
+        back = torch.zeros_like(lat)
+        load_blocks(back, geometry(back, b, mla=True), blocks, buf, None, starts)
+        torch.cuda.synchronize()
+        assert torch.equal(back[blocks], lat[blocks])
+        return f"pool on {pool_dev}, ranks on {rank_dev}; FlashAttention heads and an MLA latent"
 
     @check
     def sglang_rank_copies_on_cuda_across_gpus():
