@@ -6,17 +6,20 @@ prefix for the Mamba / linear-attention layers (a conv state and a temporal stat
 layers as full attention, as a plain model, over-sizes FULL and leaves the others unsized.
 
 Read, in this order (the first that the config has decides):
-  * `layer_types` (Gemma 3, gpt-oss, Qwen3-Next and transformers' newer configs): "full_attention",
-    "sliding_attention" (with `sliding_window`), "linear_attention" (Qwen3-Next's gated delta net, with its
-    `linear_*` dims) or "mamba";
+  * `layer_types` (Gemma 3, gpt-oss, Qwen3-Next, Granite 4 and transformers' newer configs): "full_attention" or
+    "attention", "sliding_attention" (with `sliding_window`), "mamba", "hybrid" (Falcon-H1: attention and Mamba2 in
+    one layer) or "linear_attention": a Mamba2 mixer in the Mamba2 families (Granite 4, Nemotron-H, Falcon-H1, which
+    transformers writes so), else Qwen3-Next's gated delta net (with its `linear_*` dims);
   * `hybrid_override_pattern` (Nemotron-H): "M" Mamba2, "*" attention, "-" MLP and "E" MoE (no cache);
   * `layers_block_type` (transformers' Nemotron-H): "mamba" or "linear_attention" for Mamba2, "attention" or
     "full_attention", "mlp", "moe";
   * `attn_layer_period` and `attn_layer_offset` (Jamba): attention where i % period == offset, Mamba1 elsewhere;
   * `sliding_window_pattern` with `sliding_window` (older Gemma 3 configs): every pattern-th layer is global;
+  * Falcon-H1 without a layer list (transformers computes it): every layer holds attention and Mamba2;
   * otherwise every layer is full attention (a `sliding_window` alone, as Qwen2 and Mistral configs carry it,
     does not make a layer sliding here).
-State shapes follow vLLM's `MambaStateShapeCalculator` (tests compare them), conv state as (dim, kernel - 1).
+State shapes follow vLLM's `MambaStateShapeCalculator` (tests compare them), conv state as (dim, kernel - 1). A
+Mamba2 field has each family's names (Nemotron-H's `mamba_num_heads`, Granite's and Falcon-H1's `mamba_n_heads`...).
 A field radixd cannot interpret fails in one line that names it.
 """
 from __future__ import annotations
@@ -113,10 +116,29 @@ def _dtype(cfg: dict, *names: str) -> str:
     return "bfloat16"
 
 
+_MAMBA2_TYPES = ("nemotron_h", "granitemoehybrid", "falcon_h1")  # their "linear_attention" layers are Mamba2
+# each Mamba2 dimension under the names the families give it (Nemotron-H first: its names are the ones errors cite)
+_MAMBA2_NAMES = {"heads": ("mamba_num_heads", "mamba_n_heads"), "head_dim": ("mamba_head_dim", "mamba_d_head"),
+                 "groups": ("n_groups", "mamba_n_groups"), "state": ("ssm_state_size", "mamba_d_state"),
+                 "kernel": ("conv_kernel", "mamba_d_conv")}
+
+
+def _int_of(cfg: dict, names: tuple[str, ...]) -> int:
+    """The first of a field's names that the config has (a family's own), as a positive integer."""
+    for name in names:
+        if cfg.get(name) is not None:
+            return _int(cfg, name)
+    raise LayoutError(f"field {names[0]!r} (or {', '.join(repr(n) for n in names[1:])}) is missing, and the layer "
+                      "layout needs it")
+
+
 def _mamba2(cfg: dict, tp: int) -> StateSpec:
-    heads, head_dim = _int(cfg, "mamba_num_heads"), _int(cfg, "mamba_head_dim")
-    groups, dstate, kernel = _int(cfg, "n_groups"), _int(cfg, "ssm_state_size"), _int(cfg, "conv_kernel")
+    heads, head_dim = _int_of(cfg, _MAMBA2_NAMES["heads"]), _int_of(cfg, _MAMBA2_NAMES["head_dim"])
+    groups, dstate = _int_of(cfg, _MAMBA2_NAMES["groups"]), _int_of(cfg, _MAMBA2_NAMES["state"])
+    kernel = _int_of(cfg, _MAMBA2_NAMES["kernel"])
     inner = heads * head_dim
+    if cfg.get("mamba_d_ssm") is not None and _int(cfg, "mamba_d_ssm") != inner:  # (Falcon-H1's own inner width)
+        raise LayoutError(f"field 'mamba_d_ssm' is {cfg['mamba_d_ssm']}, not heads x head dim ({inner})")
     if groups % tp:
         groups += tp - groups  # groups replicate to follow the head shards (vLLM's extra_groups_for_head_shards)
     conv_dim = inner + 2 * groups * dstate
@@ -149,6 +171,8 @@ def _gated_delta(cfg: dict, tp: int) -> StateSpec:
 def model_layout(hf: dict[str, Any], tp_size: int = 1) -> ModelLayout:
     """The layer layout of a Hugging Face config.json (multimodal configs: their text_config)."""
     cfg = hf.get("text_config") or hf
+    family = cfg.get("model_type") or hf.get("model_type")
+    mamba2_family = family in _MAMBA2_TYPES
     full: list[int] = []
     swa: list[int] = []
     state: list[int] = []
@@ -163,15 +187,17 @@ def model_layout(hf: dict[str, Any], tp_size: int = 1) -> ModelLayout:
                 full.append(i)
             elif t in ("sliding_attention", "sliding_window"):
                 swa.append(i)
-            elif t == "linear_attention":
+            elif t == "linear_attention" and not mamba2_family:
                 state.append(i)
                 spec = spec or _gated_delta(cfg, tp_size)
-            elif t == "mamba":
+            elif t in ("mamba", "linear_attention", "hybrid"):
+                if t == "hybrid":
+                    full.append(i)
                 state.append(i)
                 spec = spec or _mamba2(cfg, tp_size)
-            else:
+            elif t not in ("mlp", "moe"):
                 raise LayoutError(f"field 'layer_types'[{i}] is {t!r}: radixd knows full_attention, "
-                                  "sliding_attention, linear_attention and mamba")
+                                  "sliding_attention, linear_attention, mamba, hybrid, mlp and moe")
     elif cfg.get("hybrid_override_pattern") is not None:
         pattern = cfg["hybrid_override_pattern"]
         for i, ch in enumerate(str(pattern)):
@@ -203,6 +229,10 @@ def model_layout(hf: dict[str, Any], tp_size: int = 1) -> ModelLayout:
         pattern, n = _int(cfg, "sliding_window_pattern"), _int(cfg, "num_hidden_layers")
         for i in range(n):
             (full if (i + 1) % pattern == 0 else swa).append(i)
+    elif family == "falcon_h1":
+        full = list(range(_int(cfg, "num_hidden_layers")))
+        state = list(full)
+        spec = _mamba2(cfg, tp_size)
     else:
         full = list(range(_int(cfg, "num_hidden_layers")))
     if swa:

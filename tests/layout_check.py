@@ -3,8 +3,9 @@
     python tests/layout_check.py
 
 For every config under tests/configs: the layer kinds transformers' own config class derives (its
-`layer_types` or `layers_block_type`) must equal radixd's classification, and the state shapes vLLM's
-`MambaStateShapeCalculator` gives (TP 1 and 2) must equal radixd's. Prints one line per config.
+`layer_types` or `layers_block_type`; Falcon-H1's "hybrid" layer holds attention and Mamba2) must equal radixd's
+classification, and the state shapes vLLM's own model class gives (`get_mamba_state_shape_from_config`, TP 1 and 2)
+must equal radixd's. Prints one line per config.
 """
 from __future__ import annotations
 
@@ -14,26 +15,32 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import importlib  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+
 import transformers  # noqa: E402
-from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator as Calc  # noqa: E402
 from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first  # noqa: E402
 
 from radixd.server.layouts import model_layout  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 CLASSES = {"gemma3_text": "Gemma3TextConfig", "gemma3": "Gemma3Config", "gpt_oss": "GptOssConfig",
-           "qwen3_next": "Qwen3NextConfig", "jamba": "JambaConfig", "nemotron_h": "NemotronHConfig"}
+           "qwen3_next": "Qwen3NextConfig", "jamba": "JambaConfig", "nemotron_h": "NemotronHConfig",
+           "granitemoehybrid": "GraniteMoeHybridConfig", "falcon_h1": "FalconH1Config"}
+MODELS = {"qwen3_next": ("qwen3_next", "Qwen3NextForCausalLM"), "jamba": ("jamba", "JambaForCausalLM"),
+          "nemotron_h": ("nemotron_h", "NemotronHForCausalLM"),
+          "granitemoehybrid": ("granitemoehybrid", "GraniteMoeHybridForCausalLM"),
+          "falcon_h1": ("falcon_h1", "FalconH1ForCausalLM")}  # vLLM's model classes, for their state shapes
 KIND = {"full_attention": "full", "attention": "full", "sliding_attention": "swa", "linear_attention": "state",
-        "mamba": "state", "mlp": None, "moe": None}
+        "mamba": "state", "hybrid": "both", "mlp": None, "moe": None}
 
 
 def conv(shape: tuple) -> tuple:
     return tuple(shape) if is_conv_state_dim_first() else tuple(reversed(shape))
 
 
-def theirs(hf: dict) -> tuple[list, object]:
-    cls = getattr(transformers, CLASSES[hf["model_type"]])
-    cfg = cls(**{k: v for k, v in hf.items() if k not in ("model_type", "architectures")})
+def theirs(hf: dict, path: Path) -> tuple[list, object]:
+    cfg = getattr(transformers, CLASSES[hf["model_type"]]).from_json_file(str(path))  # (as from_pretrained reads it)
     text = getattr(cfg, "text_config", None) or cfg
     if hf["model_type"] == "nemotron_h":
         types = list(text.layers_block_type)
@@ -47,30 +54,26 @@ def theirs(hf: dict) -> tuple[list, object]:
 def main() -> None:
     for path in sorted(CONFIGS.glob("*.json")):
         hf = json.loads(path.read_text())
-        kinds, text = theirs(hf)
+        kinds, text = theirs(hf, path)
         for tp in (1, 2):
             mine = model_layout(hf, tp)
             got = [None] * len(kinds)
             for name, layers in (("full", mine.full_layers), ("swa", mine.swa_layers), ("state", mine.state_layers)):
                 for i in layers:
-                    got[i] = name
+                    got[i] = "both" if got[i] == "full" and name == "state" else name
             assert got == kinds, (path.name, got, kinds)
             if mine.swa_layers:
                 assert mine.window == text.sliding_window, (path.name, mine.window, text.sliding_window)
             if not mine.state_layers:
                 continue
             s = mine.state
-            if s.kind == "mamba2":
-                c, t = Calc.mamba2_state_shape(tp, text.mamba_num_heads * text.mamba_head_dim, text.n_groups,
-                                               text.mamba_num_heads, text.mamba_head_dim, text.ssm_state_size,
-                                               text.conv_kernel)
-            elif s.kind == "mamba1":
-                c, t = Calc.mamba1_state_shape(tp, text.mamba_expand * text.hidden_size, text.mamba_d_state,
-                                               text.mamba_d_conv)
-            else:
-                c, t = Calc.gated_delta_net_state_shape(tp, text.linear_num_key_heads, text.linear_num_value_heads,
-                                                        text.linear_key_head_dim, text.linear_value_head_dim,
-                                                        text.linear_conv_kernel_dim)
+            module, name = MODELS[hf["model_type"]]
+            model = getattr(importlib.import_module(f"vllm.model_executor.models.{module}"), name)
+            vllm_config = SimpleNamespace(  # (what the classes read of a VllmConfig)
+                parallel_config=SimpleNamespace(tensor_parallel_size=tp),
+                model_config=SimpleNamespace(hf_config=text, hf_text_config=text),
+                cache_config=SimpleNamespace(use_replayssm=False), speculative_config=None, num_speculative_tokens=0)
+            c, t = model.get_mamba_state_shape_from_config(vllm_config)
             assert (s.conv_shape, s.temporal_shape) == (conv(c), tuple(t)), (path.name, tp, s, c, t)
         print(f"ok {path.name}: {model_layout(hf).describe()}")
 

@@ -40,6 +40,25 @@ def test_each_family_is_read_from_its_own_fields():
     assert not model_layout(dict(num_hidden_layers=4, sliding_window=4096)).hybrid  # Qwen2-style: not sliding
 
 
+def test_granite_4_and_falcon_h1_are_read_in_both_config_forms():
+    """Granite 4 as the hub writes it (layer_types mamba / attention) and as transformers' save_pretrained writes it
+    (linear_attention / full_attention: Mamba2 in this family, not a gated delta net), and Falcon-H1, whose
+    config.json lists no layers (transformers computes them: every layer holds attention and Mamba2); each family's
+    own Mamba2 field names (mamba_n_heads, mamba_d_head, mamba_n_groups, mamba_d_state, mamba_d_conv)."""
+    hub = model_layout(json.loads((CONFIGS / "granite-4-hub.json").read_text()))
+    assert hub.full_layers == (3, 7) and hub.state_layers == (0, 1, 2, 4, 5, 6) and hub.state.kind == "mamba2"
+    assert hub.state.conv_shape == (8 * 128 + 2 * 128, 3) and hub.state.temporal_shape == (8, 128, 128)
+    saved = model_layout(json.loads((CONFIGS / "granite-4-saved.json").read_text()))
+    assert saved.full_layers == (1, 3) and saved.state_layers == (0, 2) and saved.state.kind == "mamba2"
+    assert saved.state.temporal_dtype == "float32"  # (transformers 5 writes `dtype`)
+    falcon = model_layout(json.loads((CONFIGS / "falcon-h1-saved.json").read_text()))
+    assert falcon.full_layers == falcon.state_layers == (0, 1) and falcon.state.conv_shape == (4 * 32 + 2 * 16, 3)
+    assert model_layout(json.loads((CONFIGS / "falcon-h1-saved.json").read_text()), 2).state.temporal_shape == \
+        (2, 32, 16)
+    with pytest.raises(LayoutError, match="'mamba_d_ssm' is 64"):
+        model_layout({**json.loads((CONFIGS / "falcon-h1-saved.json").read_text()), "mamba_d_ssm": 64})
+
+
 @pytest.mark.parametrize("cfg,field", [
     (dict(num_hidden_layers=2, layer_types=["full_attention", "chunked_attention"]), "'layer_types'[1]"),
     (dict(num_hidden_layers=2, layer_types=["full_attention", "sliding_attention"]), "'sliding_window'"),

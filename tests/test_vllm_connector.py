@@ -716,3 +716,30 @@ def test_a_kernel_that_loses_elements_is_refused_in_plain_words():
     with pytest.raises(ValueError, match="probed first"):
         load_blocks(torch.zeros((4, 2, 4, 6)), geometry(torch.zeros((4, 2, 4, 6)), 4), torch.tensor([0]),
                     torch.zeros(8, 2, 3), torch.zeros(8, 2, 3), torch.tensor([0]))
+
+
+@needs_vllm
+def test_granite_4_as_transformers_writes_its_config_is_served_with_its_states():
+    """Granite 4 (granitemoehybrid: Mamba2 and attention alternating), its config.json as transformers' save_pretrained
+    writes it: layer_types "linear_attention" (a Mamba2 mixer in this family) and "full_attention", and its own Mamba2
+    field names (mamba_n_heads, mamba_d_head...). radixd reads it into a FULL pool of layers 1 and 3 and a state pool
+    of layers 0 and 2; engine A's prefill lands there as transformers' own K/V and states at every block boundary, and
+    engine B hits 192 tokens and generates what an engine without a connector does."""
+    model = _build("granite-4")
+    reference = _engine(model, [P + SUFFIX])
+    srv = ServerProc("--num-slots", "8192", "--page-size", "64", "--model-config", os.path.join(model, "config.json"),
+                     "--hybrid-cache", "--mamba-states", "32")
+    hybrid = ("--hybrid",)
+    try:
+        with CacheClient(srv.target, name="test") as c:
+            h = c.info()["hybrid"]
+            assert h["full_layers"] == [1, 3] and h["state_layers"] == [0, 2], h
+            _engine(model, [P], srv.target, extra=hybrid)
+            assert _settled(c)["mamba_evictable"] == 3
+            res = _true_kv(model, srv.target, states_every=64)
+            assert res["ok"] and [r["tokens"] for r in res["states"]] == [64, 128, 192], res
+            b = _engine(model, [P + SUFFIX], srv.target, extra=hybrid)
+            assert b[0]["cached"] == 192 and b[0]["tokens"] == reference[0]["tokens"]
+            _settled(c)
+    finally:
+        srv.stop()

@@ -31,9 +31,19 @@ TWO = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # (the CPU build binds each rank's O
 enough_cpus = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a CPU per rank: vLLM refuses fewer")
 
 
+# a lookup may take its time here (three busy processes per engine on two CPUs, beside other tests): these tests are
+# about which bytes go where, and a lookup past the default 200 ms deadline would be a miss
+PATIENT = ("--extra", json.dumps({"lookup_deadline_ms": 20000}))
+
+
 def _parallel(model: str, prompts: list, target: str, *flags: str) -> list:
     """An engine with a worker process per rank (vLLM's mp executor), its engine core in a process of its own."""
-    return _engine(model, prompts, target, multiprocess=True, extra=flags, env=TWO)
+    return _engine(model, prompts, target, multiprocess=True, extra=flags + (PATIENT if target else ()), env=TWO)
+
+
+def _one(model: str, prompts: list, target: str, *flags: str) -> list:
+    """A single-rank engine in one process, as patient."""
+    return _engine(model, prompts, target, extra=flags + PATIENT)
 
 
 def _overwrite_heads(c: CacheClient, tokens: list[int], heads: slice) -> None:
@@ -63,7 +73,7 @@ def test_a_tensor_parallel_engine_and_a_single_rank_engine_share_pages_both_ways
     srv = _server(model_dir)
     try:
         with CacheClient(srv.target, name="test") as c:
-            a = _engine(model_dir, [P], srv.target)  # TP 1
+            a = _one(model_dir, [P], srv.target)  # TP 1
             assert a[0]["cached"] == 0 and _settled(c)["cached_tokens"] == 192
             b = _parallel(model_dir, [P + SUFFIX, Q], srv.target, "--tp", "2")
             assert b[0]["cached"] == 192 and b[0]["tokens"] == reference[0]["tokens"]  # a hit on both ranks
@@ -71,7 +81,7 @@ def test_a_tensor_parallel_engine_and_a_single_rank_engine_share_pages_both_ways
             assert _settled(c)["cached_tokens"] == 2 * 192  # Q's six blocks: published once both ranks copied them
             res = _true_kv(model_dir, srv.target, prompt=Q)
             assert res["ok"] and [x["compared"] for x in res["layers"]] == [192, 192], res
-            back = _engine(model_dir, [Q + SUFFIX], srv.target)  # TP 1 reads what the two ranks wrote
+            back = _one(model_dir, [Q + SUFFIX], srv.target)  # TP 1 reads what the two ranks wrote
             assert back[0]["cached"] == 192 and back[0]["tokens"] == reference[1]["tokens"]
             _overwrite_heads(c, P[:192], slice(1, 2))
             bad = _parallel(model_dir, [P + SUFFIX], srv.target, "--tp", "2")
@@ -91,7 +101,7 @@ def test_a_pipeline_parallel_engine_copies_each_stages_layers(model_dir):
     srv = _server(model_dir)
     try:
         with CacheClient(srv.target, name="test") as c:
-            _engine(model_dir, [P], srv.target)
+            _one(model_dir, [P], srv.target)
             b = _parallel(model_dir, [P + SUFFIX, Q], srv.target, "--pp", "2")
             assert b[0]["cached"] == 192 and b[0]["tokens"] == reference[0]["tokens"]
             assert b[1]["tokens"] == reference[1]["tokens"]
@@ -169,7 +179,7 @@ def test_a_tensor_parallel_hybrid_engine_splits_windows_and_states_by_rank(arch)
                      *(["--mamba-states", "32"] if mamba else ["--swa-ratio", "0.5"]))
     try:
         with CacheClient(srv.target, name="test") as c:
-            _engine(model, [P], srv.target, extra=("--hybrid",))
+            _one(model, [P], srv.target, "--hybrid")
             b = _parallel(model, [P + SUFFIX, Q], srv.target, "--hybrid", "--tp", "2")
             assert b[0]["cached"] == 192 and b[0]["tokens"] == reference[0]["tokens"]
             assert b[1]["tokens"] == reference[1]["tokens"]
@@ -199,8 +209,8 @@ def test_an_mla_model_is_written_by_one_rank_and_read_by_all():
     try:
         with CacheClient(srv.target, name="test") as c:
             assert c.info()["device_pools"][0].mla
-            _engine(model, [P], srv.target)
-            b = _engine(model, [P + SUFFIX], srv.target)
+            _one(model, [P], srv.target)
+            b = _one(model, [P + SUFFIX], srv.target)
             assert b[0]["cached"] == 192 and b[0]["tokens"] == reference[0]["tokens"]
             two = _parallel(model, [P + SUFFIX, Q], srv.target, "--tp", "2")
             assert two[0]["cached"] == 192 and two[1]["cached"] == 0

@@ -68,6 +68,28 @@ def build_model(path: str, arch: str = "llama") -> None:
         cfg.architectures = ["NemotronHForCausalLM"]
         torch.manual_seed(0)
         model = NemotronHForCausalLM(cfg)
+    elif arch == "falcon-h1":  # every layer holds attention and a Mamba2 mixer (4 heads of 32, state 16, one group)
+        from transformers import FalconH1Config, FalconH1ForCausalLM
+        cfg = FalconH1Config(hidden_size=KV_HEADS * 2 * HEAD_DIM, intermediate_size=256, num_hidden_layers=LAYERS,
+                             num_attention_heads=4, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, mamba_n_heads=4,
+                             mamba_d_head=32, mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4, mamba_d_ssm=128,
+                             vocab_size=512, max_position_embeddings=16384, bos_token_id=1, eos_token_id=2,
+                             pad_token_id=0, dtype="float32", mamba_ssm_cache_dtype="float32")
+        cfg.architectures = ["FalconH1ForCausalLM"]
+        torch.manual_seed(0)
+        model = FalconH1ForCausalLM(cfg)
+    elif arch == "granite-4":  # Mamba2 (4 heads of 64, state 16, one group) and attention, alternating, dense MLPs
+        from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+        cfg = GraniteMoeHybridConfig(hidden_size=KV_HEADS * 2 * HEAD_DIM, intermediate_size=256, num_hidden_layers=4,
+                                     num_attention_heads=4, num_key_value_heads=KV_HEADS,
+                                     layer_types=["mamba", "attention"] * 2, mamba_n_heads=4, mamba_d_head=64,
+                                     num_local_experts=0, shared_intermediate_size=256,
+                                     mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4, vocab_size=512,
+                                     max_position_embeddings=16384, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                                     dtype="float32", mamba_ssm_cache_dtype="float32")
+        cfg.architectures = ["GraniteMoeHybridForCausalLM"]
+        torch.manual_seed(0)
+        model = GraniteMoeHybridForCausalLM(cfg)
     elif arch == "deepseek-v2":  # MLA: a 512-rank latent and 64 rotary dims per token (vLLM's CPU MLA kernel's only
         # size), dense MLPs, no query compression
         from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
@@ -103,7 +125,8 @@ def main() -> None:
     ap.add_argument("out", nargs="?")
     ap.add_argument("--radixd", default="")
     ap.add_argument("--hybrid", action="store_true", help="RadixdHybridConnector (vLLM keeps its hybrid manager)")
-    ap.add_argument("--arch", default="llama", choices=["llama", "gemma3", "gpt-oss", "nemotron-h", "deepseek-v2"], help="the tiny model to build")
+    ap.add_argument("--arch", default="llama", help="the tiny model to build",
+                    choices=["llama", "gemma3", "gpt-oss", "nemotron-h", "deepseek-v2", "falcon-h1", "granite-4"])
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (worker processes: mp)")
@@ -136,7 +159,8 @@ def main() -> None:
         kw["kv_transfer_config"] = KVTransferConfig(kv_connector="NullConnector",
                                                     kv_connector_module_path="vllm_null_connector", kv_role="kv_both")
     arch = (json.load(open(os.path.join(args.model_dir, "config.json"))).get("architectures") or [""])[0]
-    if arch == "NemotronHForCausalLM":  # Mamba2 on CPU: a prefill chunk may not cross a block (VLLM_CPU.md)
+    if arch in ("NemotronHForCausalLM", "FalconH1ForCausalLM", "GraniteMoeHybridForCausalLM"):  # Mamba2 on CPU: a
+        # prefill chunk may not cross a block (VLLM_CPU.md)
         kw.update(block_size=MAMBA_BLOCK, max_num_batched_tokens=MAMBA_BLOCK)
     elif arch == "DeepseekV2ForCausalLM":  # (vLLM's CPU MLA kernel: blocks of 16 only)
         kw.update(block_size=MLA_BLOCK)
