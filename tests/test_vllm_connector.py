@@ -719,13 +719,15 @@ def test_a_kernel_that_loses_elements_is_refused_in_plain_words():
 
 
 @needs_vllm
-def test_granite_4_as_transformers_writes_its_config_is_served_with_its_states():
+@pytest.mark.parametrize("arch,full,state", [("granite-4", [1, 3], [0, 2]), ("falcon-h1", [0, 1], [0, 1])])
+def test_mamba2_families_as_transformers_writes_their_configs_are_served_with_their_states(arch, full, state):
     """Granite 4 (granitemoehybrid: Mamba2 and attention alternating), its config.json as transformers' save_pretrained
     writes it: layer_types "linear_attention" (a Mamba2 mixer in this family) and "full_attention", and its own Mamba2
-    field names (mamba_n_heads, mamba_d_head...). radixd reads it into a FULL pool of layers 1 and 3 and a state pool
-    of layers 0 and 2; engine A's prefill lands there as transformers' own K/V and states at every block boundary, and
+    field names (mamba_n_heads, mamba_d_head...). Falcon-H1, whose config lists no layers (each holds attention and a
+    Mamba2 mixer, which vLLM names past the model's layers: model.{layers + i}.mixer). radixd reads each into its FULL
+    and state pools; engine A's prefill lands there as transformers' own K/V and states at every block boundary, and
     engine B hits 192 tokens and generates what an engine without a connector does."""
-    model = _build("granite-4")
+    model = _build(arch)
     reference = _engine(model, [P + SUFFIX])
     srv = ServerProc("--num-slots", "8192", "--page-size", "64", "--model-config", os.path.join(model, "config.json"),
                      "--hybrid-cache", "--mamba-states", "32")
@@ -733,7 +735,7 @@ def test_granite_4_as_transformers_writes_its_config_is_served_with_its_states()
     try:
         with CacheClient(srv.target, name="test") as c:
             h = c.info()["hybrid"]
-            assert h["full_layers"] == [1, 3] and h["state_layers"] == [0, 2], h
+            assert h["full_layers"] == full and h["state_layers"] == state, h
             _engine(model, [P], srv.target, extra=hybrid)
             assert _settled(c)["mamba_evictable"] == 3
             res = _true_kv(model, srv.target, states_every=64)

@@ -1194,13 +1194,17 @@ class _Worker:
         if pool is None:
             raise ValueError("radixd connector (hybrid): the radixd server has no state pool")
         groups = self.conn._kv_cache_config.kv_cache_groups
+        numbers, layers = _numbers(names), h["state_layers"]
+        if not set(numbers) <= set(layers) and self.conn.pp == 1 and len(numbers) == len(layers):
+            # (vLLM numbers a layer's second mixer past the model's layers: Falcon-H1's Mamba of layer i is
+            # "model.{layers + i}.mixer"; the whole model's Mamba layers, in vLLM's order, are radixd's in its own)
+            numbers = [layers[k] for k in np.argsort(np.argsort(numbers))]
         plan = []
-        for name in names:
-            n = int(_LAYER.findall(name)[0])
-            if n not in h["state_layers"]:
+        for name, n in zip(names, numbers):
+            if n not in layers:
                 raise ValueError(f"radixd connector (hybrid): layer {name} is a Mamba layer in vLLM but not a state "
                                  "layer in radixd's layout of the model")
-            i = h["state_layers"].index(n)
+            i = layers.index(n)
             spec = groups[group_of[name]].kv_cache_spec
             pages = kv_caches[name].reshape(kv_caches[name].shape[0], -1)
             views, off = [], 0
