@@ -102,8 +102,9 @@ def _settled(c: CacheClient) -> dict:
     return s
 
 
-def _overwrite(c: CacheClient, tokens: list[int], layers: int) -> None:
-    """Random K and V (seeded) over every layer of the pages radixd holds for tokens, in its own pool."""
+def _overwrite(c: CacheClient, tokens: list[int], layers: int, heads: slice = slice(None)) -> None:
+    """Random K and V (seeded) over every layer of the pages radixd holds for tokens, in its own pool (only some KV
+    heads of them: `heads`)."""
     m = c.match_prefix(np.asarray(tokens, dtype=np.int32))
     assert m.matched_len == len(tokens)
     pools = c.map_pools()
@@ -111,7 +112,9 @@ def _overwrite(c: CacheClient, tokens: list[int], layers: int) -> None:
     gen = torch.Generator().manual_seed(5)
     for layer in range(layers):
         for buf in (pools.device[0].k_buffer[layer], pools.device[0].v_buffer[layer]):
-            buf[idx] = torch.randn(buf[idx].shape, generator=gen) * 3
+            rows = buf[idx]
+            rows[:, heads] = torch.randn(rows[:, heads].shape, generator=gen) * 3
+            buf[idx] = rows
     pools.close()
 
 

@@ -14,15 +14,13 @@ import subprocess
 import tempfile
 import time
 
-import numpy as np
 import pytest
-import torch
 
 from radixd.client import CacheClient
 
 from .conftest import ServerProc
-from .test_vllm_connector import (BLOCK, ENGINE, P, SUFFIX, VLLM_PY, _build, _engine, _kill_group, _server, _settled,
-                                  _true_kv, model_dir, needs_vllm)
+from .test_vllm_connector import (BLOCK, ENGINE, P, SUFFIX, VLLM_PY, _build, _engine, _kill_group, _overwrite, _server,
+                                  _settled, _true_kv, model_dir, needs_vllm)
 
 __all__ = ["model_dir"]  # (the fixture, shared with the connector tests)
 
@@ -44,21 +42,6 @@ def _parallel(model: str, prompts: list, target: str, *flags: str) -> list:
 def _one(model: str, prompts: list, target: str, *flags: str) -> list:
     """A single-rank engine in one process, as patient."""
     return _engine(model, prompts, target, extra=flags + PATIENT)
-
-
-def _overwrite_heads(c: CacheClient, tokens: list[int], heads: slice) -> None:
-    """Random K and V (seeded) over some KV heads of every layer of the pages radixd holds for tokens."""
-    m = c.match_prefix(np.asarray(tokens, dtype=np.int32))
-    assert m.matched_len == len(tokens)
-    pools = c.map_pools()
-    idx = torch.from_numpy(m.indices.copy())
-    gen = torch.Generator().manual_seed(11)
-    for bufs in (pools.device[0].k_buffer, pools.device[0].v_buffer):
-        for buf in bufs:
-            rows = buf[idx]
-            rows[:, heads] = torch.randn(rows[:, heads].shape, generator=gen) * 3
-            buf[idx] = rows
-    pools.close()
 
 
 @needs_vllm
@@ -83,7 +66,7 @@ def test_a_tensor_parallel_engine_and_a_single_rank_engine_share_pages_both_ways
             assert res["ok"] and [x["compared"] for x in res["layers"]] == [192, 192], res
             back = _one(model_dir, [Q + SUFFIX], srv.target)  # TP 1 reads what the two ranks wrote
             assert back[0]["cached"] == 192 and back[0]["tokens"] == reference[1]["tokens"]
-            _overwrite_heads(c, P[:192], slice(1, 2))
+            _overwrite(c, P[:192], 2, heads=slice(1, 2))
             bad = _parallel(model_dir, [P + SUFFIX], srv.target, "--tp", "2")
             assert bad[0]["cached"] == 192 and bad[0]["tokens"] != reference[0]["tokens"]
             _settled(c)
