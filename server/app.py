@@ -121,8 +121,9 @@ def build_hybrid_core(cfg: Config, instance_id: str, backend: str) -> CacheCore:
     lay = cfg._layout
     if len(cfg.gpus) > 1:
         raise StartupError(f"{source_of(cfg, 'hybrid_cache')}: a hybrid model on more than one GPU is not supported yet")
+    # no full-attention layer (every layer sliding, pure Mamba2): the FULL slots are the tree's keys with no KV pool
     spec = PoolSpec(num_layers=cfg.layers, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, dtype=cfg.dtype,
-                    page_size=cfg.page_size, num_slots=cfg.num_slots, mla=cfg.mla)
+                    page_size=cfg.page_size, num_slots=cfg.num_slots, mla=cfg.mla) if lay.full_layers else None
     swa_spec = None
     if lay.swa_layers:
         swa_slots = int(cfg.num_slots * cfg.swa_ratio) // cfg.page_size * cfg.page_size
@@ -133,7 +134,7 @@ def build_hybrid_core(cfg: Config, instance_id: str, backend: str) -> CacheCore:
                             dtype=cfg.dtype, page_size=cfg.page_size, num_slots=swa_slots, mla=cfg.mla)
     state_bytes = state_pool_bytes(len(lay.state_layers), lay.state, cfg.mamba_states) if lay.state_layers else 0
     # the host tier keeps the device's proportions: SWA slots per FULL slot, state slots per FULL slot
-    per_token = spec.slot_bytes + (swa_spec.slot_bytes * cfg.swa_ratio if swa_spec else 0) + (
+    per_token = (spec.slot_bytes if spec else 0) + (swa_spec.slot_bytes * cfg.swa_ratio if swa_spec else 0) + (
         state_bytes / cfg.num_slots)
     host_slots = host_slots_for(cfg, max(1, int(per_token + 0.999)))
     host_swa = int(host_slots * cfg.swa_ratio) // cfg.page_size * cfg.page_size if swa_spec and host_slots else 0
@@ -142,10 +143,10 @@ def build_hybrid_core(cfg: Config, instance_id: str, backend: str) -> CacheCore:
         raise StartupError(f"{_host_sources(cfg)}: {host_slots} host slots leave less than one page of SWA KV")
     host_bytes = 0
     if host_slots:
-        host_bytes = total_bytes(spec.with_slots(host_slots, cfg.host_layout)) + (
+        host_bytes = (total_bytes(spec.with_slots(host_slots, cfg.host_layout)) if spec else 0) + (
             total_bytes(swa_spec.with_slots(host_swa, cfg.host_layout)) if swa_spec else 0) + (
             state_pool_bytes(len(lay.state_layers), lay.state, host_states) if host_states else 0)
-    device_bytes = total_bytes(spec) + (total_bytes(swa_spec) if swa_spec else 0) + state_bytes
+    device_bytes = (total_bytes(spec) if spec else 0) + (total_bytes(swa_spec) if swa_spec else 0) + state_bytes
     if backend == "shm":
         _check_shm(device_bytes, host_bytes, cfg)
     else:
@@ -154,7 +155,8 @@ def build_hybrid_core(cfg: Config, instance_id: str, backend: str) -> CacheCore:
     device_index = (cfg.gpus or [0])[0]
     pools: list = []
     try:
-        pools.append(KVPool(spec, "device", instance_id, backend, device_index=device_index))
+        if spec is not None:
+            pools.append(KVPool(spec, "device", instance_id, backend, device_index=device_index))
         if swa_spec is not None:
             pools.append(KVPool(swa_spec, "swa", instance_id, backend, device_index=device_index))
         if lay.state_layers:
@@ -163,8 +165,9 @@ def build_hybrid_core(cfg: Config, instance_id: str, backend: str) -> CacheCore:
         host_pools: list = []
         if host_slots:
             pin = backend == "cuda"
-            host_pools.append(KVPool(spec.with_slots(host_slots, cfg.host_layout), "host", instance_id, "shm",
-                                     pin=pin))
+            if spec is not None:
+                host_pools.append(KVPool(spec.with_slots(host_slots, cfg.host_layout), "host", instance_id, "shm",
+                                         pin=pin))
             if swa_spec is not None:
                 host_pools.append(KVPool(swa_spec.with_slots(host_swa, cfg.host_layout), "host-swa", instance_id,
                                          "shm", pin=pin))
@@ -183,20 +186,24 @@ def build_hybrid_core(cfg: Config, instance_id: str, backend: str) -> CacheCore:
     window = lay.window if lay.swa_layers else None
     chunk = cfg.mamba_chunk if lay.state_layers else None
     events = bool(cfg.kv_events or cfg.kv_events_endpoint or cfg.kv_events_replay_endpoint)
-    tree = HybridTree(cfg.page_size, window=window, mamba_chunk=chunk, events=events, victims=bool(host_slots))
-    swa_pool = pools[1] if swa_spec is not None else None
-    state_pool = pools[2 if swa_spec is not None else 1] if lay.state_layers else None
+    full_kv = bool(lay.full_layers)
+    tree = HybridTree(cfg.page_size, window=window, mamba_chunk=chunk, events=events, victims=bool(host_slots),
+                      full_kv=full_kv)
+    full_pools = pools[:1] if spec is not None else []
+    swa_pool = pools[len(full_pools)] if swa_spec is not None else None
+    state_pool = pools[len(full_pools) + (swa_spec is not None)] if lay.state_layers else None
     host_tier = None
     if host_slots:
         host_tier = HybridHostTier(
-            HybridTree(cfg.page_size, window=window, mamba_chunk=chunk, events=events, medium=CPU),
+            HybridTree(cfg.page_size, window=window, mamba_chunk=chunk, events=events, medium=CPU, full_kv=full_kv),
             SlotAllocator(host_slots, cfg.page_size),
-            host_pools[0], swa=SwaTranslation(host_slots, host_swa, cfg.page_size) if swa_spec else None,
-            swa_pool=host_pools[1] if swa_spec is not None else None,
+            host_pools[0] if spec is not None else None,
+            swa=SwaTranslation(host_slots, host_swa, cfg.page_size) if swa_spec else None,
+            swa_pool=host_pools[int(spec is not None)] if swa_spec is not None else None,
             states=SlotAllocator(host_states) if host_states else None,
             state_pool=host_pools[-1] if host_states else None, load_back_threshold=cfg.load_back_threshold)
         _step("host_pool")
-    return HybridCore(tree, SlotAllocator(cfg.num_slots, cfg.page_size), instance_id, [pools[0]],
+    return HybridCore(tree, SlotAllocator(cfg.num_slots, cfg.page_size), instance_id, full_pools,
                       swa=SwaTranslation(cfg.num_slots, swa_spec.num_slots, cfg.page_size) if swa_spec else None,
                       swa_pool=swa_pool, states=SlotAllocator(cfg.mamba_states) if state_pool else None,
                       state_pool=state_pool, layout=lay, max_batch_tokens=cfg.num_slots, host_tier=host_tier)
@@ -497,7 +504,8 @@ async def _run(cfg: Config, core: CacheCore, instance_id: str, sockets: list[str
         host_tokens = core.host_alloc.capacity if core.host_alloc is not None else 0
         print(f"radixd ready listen={','.join(cfg.listen)} metrics=http://{metrics_at}/metrics "
               f"device_tokens={cfg.num_slots} host_tokens={host_tokens} "
-              f"bytes_per_token={core.device_pools[0].spec.slot_bytes} instance={instance_id}", flush=True)
+              f"bytes_per_token={core.device_pools[0].spec.slot_bytes if core.device_pools else 0} "
+              f"instance={instance_id}", flush=True)
         state["serving"] = True  # from here a signal is a graceful stop, not an abandoned start
     except BaseException:
         await asyncio.wait([starting])

@@ -312,6 +312,9 @@ def _check(cfg: Config, origin: dict[str, str]) -> None:
             raise ConfigError(f"{src('host_mem')}: {e}") from None
 
 
+NO_FULL_SWA_RATIO = 0.125  # every layer sliding: the tree's keys (no KV) may reach 8x the SWA pool's tokens
+
+
 def _check_hybrid(cfg: Config, origin: dict[str, str]) -> None:
     """What the hybrid cache does not have yet is refused at start, in one line."""
     src = origin["hybrid_cache"]
@@ -322,6 +325,9 @@ def _check_hybrid(cfg: Config, origin: dict[str, str]) -> None:
         raise ConfigError(f"{src} and {origin['write_policy']}: a hybrid model's host tier copies what the device "
                           "evicts (write_back); it has no write-through policy")
     lay = cfg._layout
+    if not lay.full_layers and lay.swa_layers and "swa_ratio" not in origin:
+        cfg.swa_ratio = NO_FULL_SWA_RATIO
+        origin["swa_ratio"] = "no full-attention layer (keys cost no KV)"
     if lay.swa_layers and not cfg.swa_ratio:
         raise ConfigError(f"{origin.get('swa_ratio', 'swa_ratio')}: 0 leaves the sliding-window layers no pool")
 
@@ -415,8 +421,11 @@ def source_of(cfg: Config, name: str) -> str:
 
 
 def _ranges(cfg: Config, origin: dict[str, str]) -> None:
+    lay = getattr(cfg, "_layout", None)
     for name, st in SCHEMA.items():
         v = getattr(cfg, name)
+        if name == "layers" and v == 0 and lay is not None and not lay.full_layers:
+            continue  # (a hybrid model without full-attention layers: no FULL KV pool)
         if st.minimum is not None and v is not None and v < st.minimum:
             where = origin.get(name, f"default {name}")
             raise ConfigError(f"{where}: {v!r} is below the minimum {st.minimum:g}")
@@ -443,6 +452,13 @@ def _size_device(cfg: Config, origin: dict[str, str]) -> None:
     lay = getattr(cfg, "_layout", None)
     if cfg.hybrid_cache and lay is not None:  # the states first, then FULL tokens with their SWA share
         from .pools.spec import DTYPES
+        if not (lay.full_layers or lay.swa_layers):  # pure state: the budget is the state pool's (keys cost none)
+            if "mamba_states" not in origin:
+                cfg.mamba_states = max(budget // lay.state_bytes(), 0)
+                origin["mamba_states"] = f"{src} ({cfg.device_mem})"
+            if cfg.mamba_states < 1:
+                raise ConfigError(f"{src}: {cfg.device_mem} holds less than one state ({lay.state_bytes()} bytes)")
+            return
         budget -= cfg.mamba_states * lay.state_bytes() if lay.state_layers else 0
         per_token += int(cfg.swa_ratio * len(lay.swa_layers) * (1 if cfg.mla else 2) * cfg.kv_heads *
                          cfg.head_dim * DTYPES[cfg.dtype][0])
@@ -486,6 +502,8 @@ def model_geometry(hf: dict[str, Any], tp_size: int = 1, hybrid: bool = False) -
             raise LayoutError(f"--hybrid-cache, but the model has no sliding-window or state layers "
                               f"({layout.describe()})")
         layers = len(layout.full_layers)
+        if not (layout.full_layers or layout.swa_layers):  # pure state (Mamba2): no KV pool at all
+            return dict(layers=0, kv_heads=1, head_dim=1, dtype=dtype, mla=False)
     elif layout.state_layers:
         raise LayoutError(f"a hybrid model ({layout.describe()}): its Mamba / linear-attention states need "
                           "--hybrid-cache")

@@ -149,7 +149,7 @@ class HybridHostTier(HybridShelf):
         self._copiers: dict = {}
 
     def _copy(self, src: Any, src_slots: np.ndarray, dst: Any, dst_slots: np.ndarray) -> None:
-        if src_slots.size:
+        if src_slots.size and src is not None:  # (None: a model with no full-attention layer has no FULL KV)
             key = (id(src), id(dst))
             c = self._copiers.get(key)
             if c is None:
@@ -188,7 +188,7 @@ class HybridHostTier(HybridShelf):
         else:
             raise Exhausted("host tier: no room")
         new = self.alloc.alloc(end - start, TRANSIT) if pages else np.zeros(0, np.int64)
-        self._copy(dev.device_pools[0], v.full[start:], self.kv_pool, new)
+        self._copy(dev.device_pools[0] if dev.device_pools else None, v.full[start:], self.kv_pool, new)
         if self.swa is not None and end > floor:
             twins = self.swa.assign(new[floor - start:])
             self._copy(dev.swa_pool, dev.swa.translate(v.full[floor:]), self.swa_pool, twins)
@@ -227,7 +227,7 @@ class HybridHostTier(HybridShelf):
             states = 1 if self.tree.mamba is not None else 0
             dev._room(pages, swa_pages, states)
             new = dev.alloc.alloc(hl - d, TRANSIT)
-            self._copy(self.kv_pool, hm.indices[d:], dev.device_pools[0], new)
+            self._copy(self.kv_pool, hm.indices[d:], dev.device_pools[0] if dev.device_pools else None, new)
             if self.swa is not None and hl > floor:
                 twins = dev.swa.assign(new[floor - d:])
                 self._copy(self.swa_pool, self.swa.translate(hm.indices[floor:]), dev.swa_pool, twins)

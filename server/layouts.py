@@ -16,8 +16,13 @@ Read, in this order (the first that the config has decides):
   * `attn_layer_period` and `attn_layer_offset` (Jamba): attention where i % period == offset, Mamba1 elsewhere;
   * `sliding_window_pattern` with `sliding_window` (older Gemma 3 configs): every pattern-th layer is global;
   * Falcon-H1 without a layer list (transformers computes it): every layer holds attention and Mamba2;
-  * otherwise every layer is full attention (a `sliding_window` alone, as Qwen2 and Mistral configs carry it,
-    does not make a layer sliding here).
+  * Mamba2 (`model_type` mamba2, pure state: transformers computes its layer list): every layer Mamba2;
+  * a `sliding_window` with no layer list: every layer slides in the families whose config class and vLLM apply it
+    to all layers (Mistral, Mixtral, Starcoder2, Phi-3); the Qwen families only with `use_sliding_window`, from
+    layer `max_window_layers` on (as Qwen2Config computes it); elsewhere it makes no layer sliding;
+  * otherwise every layer is full attention.
+A model need not have a full-attention layer (every layer sliding, pure Mamba2): the hybrid tree's keys are its
+backbone then, with no FULL KV pool behind them.
 State shapes follow vLLM's `MambaStateShapeCalculator` (tests compare them), conv state as (dim, kernel - 1). A
 Mamba2 field has each family's names (Nemotron-H's `mamba_num_heads`, Granite's and Falcon-H1's `mamba_n_heads`...).
 A field radixd cannot interpret fails in one line that names it.
@@ -76,7 +81,7 @@ class ModelLayout:
         return len(self.state_layers) * self.state.nbytes if self.state else 0
 
     def describe(self) -> str:
-        parts = [f"{len(self.full_layers)} full-attention layers"]
+        parts = [f"{len(self.full_layers)} full-attention layers" if self.full_layers else "no full-attention layer"]
         if self.swa_layers:
             parts.append(f"{len(self.swa_layers)} sliding-window layers (window {self.window})")
         if self.state_layers:
@@ -116,11 +121,14 @@ def _dtype(cfg: dict, *names: str) -> str:
     return "bfloat16"
 
 
-_MAMBA2_TYPES = ("nemotron_h", "granitemoehybrid", "falcon_h1")  # their "linear_attention" layers are Mamba2
+_MAMBA2_TYPES = ("nemotron_h", "granitemoehybrid", "falcon_h1", "mamba2")  # their "linear_attention" is Mamba2
+_EVERY_LAYER_SLIDES = ("mistral", "mixtral", "starcoder2", "phi3")  # a bare `sliding_window` is every layer's
 # each Mamba2 dimension under the names the families give it (Nemotron-H first: its names are the ones errors cite)
 _MAMBA2_NAMES = {"heads": ("mamba_num_heads", "mamba_n_heads"), "head_dim": ("mamba_head_dim", "mamba_d_head"),
                  "groups": ("n_groups", "mamba_n_groups"), "state": ("ssm_state_size", "mamba_d_state"),
                  "kernel": ("conv_kernel", "mamba_d_conv")}
+_PURE_MAMBA2_NAMES = {"heads": ("num_heads",), "head_dim": ("head_dim",), "groups": ("n_groups",),
+                      "state": ("state_size",), "kernel": ("conv_kernel",)}  # (Mamba2Config's: no mamba_ prefix)
 
 
 def _int_of(cfg: dict, names: tuple[str, ...]) -> int:
@@ -133,9 +141,10 @@ def _int_of(cfg: dict, names: tuple[str, ...]) -> int:
 
 
 def _mamba2(cfg: dict, tp: int) -> StateSpec:
-    heads, head_dim = _int_of(cfg, _MAMBA2_NAMES["heads"]), _int_of(cfg, _MAMBA2_NAMES["head_dim"])
-    groups, dstate = _int_of(cfg, _MAMBA2_NAMES["groups"]), _int_of(cfg, _MAMBA2_NAMES["state"])
-    kernel = _int_of(cfg, _MAMBA2_NAMES["kernel"])
+    names = _PURE_MAMBA2_NAMES if cfg.get("model_type") == "mamba2" else _MAMBA2_NAMES
+    heads, head_dim = _int_of(cfg, names["heads"]), _int_of(cfg, names["head_dim"])
+    groups, dstate = _int_of(cfg, names["groups"]), _int_of(cfg, names["state"])
+    kernel = _int_of(cfg, names["kernel"])
     inner = heads * head_dim
     if cfg.get("mamba_d_ssm") is not None and _int(cfg, "mamba_d_ssm") != inner:  # (Falcon-H1's own inner width)
         raise LayoutError(f"field 'mamba_d_ssm' is {cfg['mamba_d_ssm']}, not heads x head dim ({inner})")
@@ -166,6 +175,21 @@ def _gated_delta(cfg: dict, tp: int) -> StateSpec:
     return StateSpec("gated_delta_net", (_split(conv_dim, tp, "the linear-attention conv dim"), kernel - 1),
                      (_split(vh, tp, "field 'linear_num_value_heads'"), vd, kd), dt,
                      _dtype(cfg, "mamba_ssm_cache_dtype", "torch_dtype", "dtype"))
+
+
+def _first_sliding(cfg: dict, family: Optional[str], n: int) -> int:
+    """The first sliding layer of a config without a layer list (n: none slides), as its config class reads a bare
+    `sliding_window` (see the module docstring)."""
+    if not cfg.get("sliding_window"):
+        return n
+    if "use_sliding_window" in cfg or str(family).startswith("qwen"):
+        if not cfg.get("use_sliding_window"):
+            return n
+        first = cfg.get("max_window_layers", n)
+        if not isinstance(first, int) or isinstance(first, bool) or first < 0:
+            raise LayoutError(f"field 'max_window_layers' is {first!r}, not a layer count")
+        return min(first, n)
+    return 0 if family in _EVERY_LAYER_SLIDES else n
 
 
 def model_layout(hf: dict[str, Any], tp_size: int = 1) -> ModelLayout:
@@ -233,10 +257,15 @@ def model_layout(hf: dict[str, Any], tp_size: int = 1) -> ModelLayout:
         full = list(range(_int(cfg, "num_hidden_layers")))
         state = list(full)
         spec = _mamba2(cfg, tp_size)
+    elif family == "mamba2":
+        state = list(range(_int(cfg, "num_hidden_layers")))
+        spec = _mamba2(cfg, tp_size)
     else:
-        full = list(range(_int(cfg, "num_hidden_layers")))
+        n = _int(cfg, "num_hidden_layers")
+        first = _first_sliding(cfg, family, n)
+        full, swa = list(range(first)), list(range(first, n))
     if swa:
         window = _int(cfg, "sliding_window")
-    if not full:
-        raise LayoutError("no full-attention layer: radixd's tree needs FULL KV as its backbone")
+    if not (full or swa or state):
+        raise LayoutError("no layer keeps a cache (every layer is an MLP or MoE block)")
     return ModelLayout(tuple(full), tuple(swa), window, tuple(state), spec)

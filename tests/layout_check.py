@@ -26,11 +26,12 @@ from radixd.server.layouts import model_layout  # noqa: E402
 CONFIGS = Path(__file__).resolve().parent / "configs"
 CLASSES = {"gemma3_text": "Gemma3TextConfig", "gemma3": "Gemma3Config", "gpt_oss": "GptOssConfig",
            "qwen3_next": "Qwen3NextConfig", "jamba": "JambaConfig", "nemotron_h": "NemotronHConfig",
-           "granitemoehybrid": "GraniteMoeHybridConfig", "falcon_h1": "FalconH1Config"}
+           "granitemoehybrid": "GraniteMoeHybridConfig", "falcon_h1": "FalconH1Config", "qwen3": "Qwen3Config",
+           "mistral": "MistralConfig", "mamba2": "Mamba2Config"}
 MODELS = {"qwen3_next": ("qwen3_next", "Qwen3NextForCausalLM"), "jamba": ("jamba", "JambaForCausalLM"),
           "nemotron_h": ("nemotron_h", "NemotronHForCausalLM"),
           "granitemoehybrid": ("granitemoehybrid", "GraniteMoeHybridForCausalLM"),
-          "falcon_h1": ("falcon_h1", "FalconH1ForCausalLM")}  # vLLM's model classes, for their state shapes
+          "falcon_h1": ("falcon_h1", "FalconH1ForCausalLM"), "mamba2": ("mamba2", "Mamba2ForCausalLM")}  # vLLM's model classes, for their state shapes
 KIND = {"full_attention": "full", "attention": "full", "sliding_attention": "swa", "linear_attention": "state",
         "mamba": "state", "hybrid": "both", "mlp": None, "moe": None}
 
@@ -46,6 +47,8 @@ def theirs(hf: dict, path: Path) -> tuple[list, object]:
         types = list(text.layers_block_type)
     elif hf["model_type"] == "jamba":
         types = list(text.layers_block_type)
+    elif hf["model_type"] == "mistral":  # no layer list: vLLM gives every attention layer the config's window
+        types = ["sliding_attention" if text.sliding_window else "full_attention"] * text.num_hidden_layers
     else:
         types = list(text.layer_types)
     return [KIND[t] for t in types], text

@@ -19,7 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from radixd.server.errors import Exhausted
 
-from .test_service_hybrid import PAGE, TRI_CONFIG, WINDOW, prefix_values
+from .test_service_hybrid import COMPONENT_SETS, PAGE, TRI_CONFIG, WINDOW, prefix_values
 
 _BASES = [np.random.default_rng(i).integers(0, 300, 24, dtype=np.int32) for i in range(3)]
 
@@ -30,6 +30,7 @@ def _run(coro):
 
 class HybridCoreMachine(RuleBasedStateMachine):
     SLOTS, HOST = 320, {}
+    COMPONENTS = "FSM"  # the model's layer kinds (COMPONENT_SETS): a pool, and what a hit must restore, per kind
 
     def __init__(self):
         super().__init__()
@@ -40,13 +41,16 @@ class HybridCoreMachine(RuleBasedStateMachine):
         d = tempfile.mkdtemp(prefix="radixd-hcore-")
         path = f"{d}/config.json"
         with open(path, "w") as f:
-            json.dump(TRI_CONFIG, f)
+            json.dump(COMPONENT_SETS[self.COMPONENTS], f)
         cfg = load(dict(model_config=path, hybrid_cache=True, num_slots=self.SLOTS, page_size=PAGE, swa_ratio=0.5,
                         mamba_states=8, device="cpu", metrics_addr="", **self.HOST))
         self.core = build_core(cfg, uuid.uuid4().hex)
-        self.full = self.core.device_pools[0].views["k.0"]
-        self.swa = self.core.swa_pool.views["k.0"]
-        self.conv = self.core.state_pool.views["conv.0"]
+        core = self.core  # (None: no such layer, no such pool)
+        self.full = core.device_pools[0].views["k.0"] if core.device_pools else None
+        self.swa = core.swa_pool.views["k.0"] if core.swa_pool is not None else None
+        self.conv = core.state_pool.views["conv.0"] if core.state_pool is not None else None
+        assert (self.full is not None, self.swa is not None, self.conv is not None) == \
+            tuple(k in self.COMPONENTS for k in "FSM")
         self.sessions = [self.core.attach("a"), self.core.attach("b")]
         self.running: list[dict] = []
         self.done: list[np.ndarray] = []  # finished requests' tokens: later turns extend them
@@ -61,13 +65,18 @@ class HybridCoreMachine(RuleBasedStateMachine):
         if not n:
             return
         want = prefix_values(tokens[:n])
-        assert (self.full[m.indices, 0, 0] == want).all()
-        lo = max(0, n - WINDOW)
-        twins = self.core.swa_twins(m.indices)[lo:n]
-        assert (twins >= 0).all(), "the window before the match end has no SWA KV"
-        assert (self.swa[twins, 0, 0] == want[lo:]).all()
-        assert m.mamba_src >= 0 and (self.conv[m.mamba_src] == want[-1]).all()
-        assert slot >= 0 and (self.conv[slot] == want[-1]).all()
+        if self.full is not None:
+            assert (self.full[m.indices, 0, 0] == want).all()
+        if self.swa is not None:
+            lo = max(0, n - WINDOW)
+            twins = self.core.swa_twins(m.indices)[lo:n]
+            assert (twins >= 0).all(), "the window before the match end has no SWA KV"
+            assert (self.swa[twins, 0, 0] == want[lo:]).all()
+        if self.conv is not None:
+            assert m.mamba_src >= 0 and (self.conv[m.mamba_src] == want[-1]).all()
+            assert slot >= 0 and (self.conv[slot] == want[-1]).all()
+        else:
+            assert m.mamba_src < 0 and slot < 0
         self.hits += 1
 
     @rule(who=st.integers(0, 1), base=st.integers(0, 2), cut=st.integers(0, 24), extra=st.integers(0, 28),
@@ -80,7 +89,8 @@ class HybridCoreMachine(RuleBasedStateMachine):
         if len(tokens) < PAGE:
             return
         try:
-            (m, receipt, slot), = self.core.match_hybrid(s, [(tokens.tobytes(), ("", ""), True, True, False)])
+            (m, receipt, slot), = self.core.match_hybrid(s, [(tokens.tobytes(), ("", ""), True,
+                                                              self.conv is not None, False)])
         except Exhausted:
             return
         self._verify(tokens, m, slot)
@@ -88,15 +98,19 @@ class HybridCoreMachine(RuleBasedStateMachine):
             full, twins, _, _ = _run(self.core.alloc_slots(s, [len(tokens) - m.matched_len]))
         except Exhausted:
             self.core.unlock(s, [receipt])
-            self.core.free_slots(s, np.zeros(0, np.int64), np.array([slot]))
+            if slot >= 0:
+                self.core.free_slots(s, np.zeros(0, np.int64), np.array([slot]))
             return
         own = full[0]
         vals = prefix_values(tokens)
         fresh = vals[m.matched_len:]
-        self.full[own[:len(fresh)], :, :] = fresh[:, None, None]
-        self.swa[twins[0][:len(fresh)], :, :] = fresh[:, None, None]
+        if self.full is not None:
+            self.full[own[:len(fresh)], :, :] = fresh[:, None, None]
+        if self.swa is not None:
+            self.swa[twins[0][:len(fresh)], :, :] = fresh[:, None, None]
         aligned = len(tokens) - len(tokens) % PAGE
-        self.conv[slot] = vals[aligned - 1]
+        if self.conv is not None:
+            self.conv[slot] = vals[aligned - 1]
         self.running.append(dict(s=s, tokens=tokens, indices=np.concatenate([m.indices, own]), prev=m.matched_len,
                                  receipt=receipt, slot=slot, evicted=0, released=False))
 
@@ -106,7 +120,7 @@ class HybridCoreMachine(RuleBasedStateMachine):
         r = self.running[i % len(self.running)]
         n = len(r["tokens"])
         floor = (n - WINDOW - PAGE) // PAGE * PAGE
-        if r["released"] or floor <= r["prev"]:
+        if r["released"] or floor <= r["prev"] or self.swa is None:
             return
         own = r["indices"][r["prev"]:floor]
         assert self.core.free_slots(r["s"], own, None, swa_only=True)[0] == len(own)
@@ -115,7 +129,8 @@ class HybridCoreMachine(RuleBasedStateMachine):
 
     def _item(self, r, **kw):
         from radixd.server.core import Item
-        it = Item(r["tokens"], r["indices"], ("", ""), r["prev"], 0, r["receipt"], None, r["evicted"], r["slot"])
+        it = Item(r["tokens"], r["indices"], ("", ""), r["prev"], 0, r["receipt"], None, r["evicted"],
+                  r["slot"] if r["slot"] >= 0 else None)
         for k, v in kw.items():
             setattr(it, k, v)
         return it
@@ -138,7 +153,7 @@ class HybridCoreMachine(RuleBasedStateMachine):
 
     @rule(full=st.integers(0, 40), swa=st.integers(0, 40), mamba=st.integers(0, 2))
     def evict(self, full, swa, mamba):
-        _run(self.core.evict(full, 0, swa, mamba))
+        _run(self.core.evict(full, 0, swa if self.swa is not None else 0, mamba if self.conv is not None else 0))
 
     @rule(who=st.integers(0, 1))
     def session_ends(self, who):
@@ -151,10 +166,14 @@ class HybridCoreMachine(RuleBasedStateMachine):
     def consistent(self):
         assert self.core.check() == []
         st_ = self.core.stats()
-        assert st_["swa_free_tokens"] + st_["swa_evictable_tokens"] + st_["swa_protected_tokens"] + \
-            st_["swa_held_tokens"] == st_["swa_capacity_tokens"]
-        assert st_["mamba_free"] + st_["mamba_evictable"] + st_["mamba_protected"] + st_["mamba_held"] == \
-            st_["mamba_capacity"]
+        assert st_["free_tokens"] + st_["cached_tokens"] + st_["held_tokens"] + st_["in_flight_tokens"] == \
+            st_["capacity_tokens"]  # (FULL: KV slots, or the keys' budget without full-attention layers)
+        if self.swa is not None:
+            assert st_["swa_free_tokens"] + st_["swa_evictable_tokens"] + st_["swa_protected_tokens"] + \
+                st_["swa_held_tokens"] == st_["swa_capacity_tokens"]
+        if self.conv is not None:
+            assert st_["mamba_free"] + st_["mamba_evictable"] + st_["mamba_protected"] + st_["mamba_held"] == \
+                st_["mamba_capacity"]
 
 
 @pytest.fixture(autouse=True)
@@ -168,6 +187,24 @@ def _loop():
 HybridCoreMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
                                                suppress_health_check=[HealthCheck.too_slow])
 TestHybridCore = HybridCoreMachine.TestCase
+
+
+class SwaOnlyMachine(HybridCoreMachine):
+    """Every layer sliding: no FULL KV pool, the tree's FULL slots are keys alone."""
+    COMPONENTS = "S"
+
+
+class SwaMambaMachine(HybridCoreMachine):
+    COMPONENTS = "SM"
+
+
+class MambaOnlyMachine(HybridCoreMachine):
+    """Pure Mamba2: states only."""
+    COMPONENTS = "M"
+
+
+TestSwaOnlyCore, TestSwaMambaCore, TestMambaOnlyCore = (m.TestCase for m in (SwaOnlyMachine, SwaMambaMachine,
+                                                                           MambaOnlyMachine))
 
 
 class HostTierMachine(HybridCoreMachine):
@@ -208,8 +245,10 @@ class HostTierMachine(HybridCoreMachine):
     def host_consistent(self):
         st_ = self.core.stats()
         assert st_["host_free_tokens"] + st_["host_cached_tokens"] == st_["host_capacity_tokens"]
-        assert st_["host_swa_free_tokens"] + st_["host_swa_cached_tokens"] == st_["host_swa_capacity_tokens"]
-        assert st_["host_mamba_free"] + st_["host_mamba_cached"] == st_["host_mamba_capacity"]
+        if self.swa is not None:
+            assert st_["host_swa_free_tokens"] + st_["host_swa_cached_tokens"] == st_["host_swa_capacity_tokens"]
+        if self.conv is not None:
+            assert st_["host_mamba_free"] + st_["host_mamba_cached"] == st_["host_mamba_capacity"]
         self.loaded = (st_["load_back_tokens_total"], st_["backup_tokens_total"], self.hits)
 
     def teardown(self):
@@ -222,6 +261,20 @@ _LOADED: list[int] = []
 HostTierMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=60, deadline=None,
                                              derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 TestHostTier = HostTierMachine.TestCase
+
+
+class SwaOnlyHostMachine(HostTierMachine):
+    COMPONENTS = "S"
+
+
+class MambaOnlyHostMachine(HostTierMachine):
+    COMPONENTS = "M"
+
+
+for _m in (SwaOnlyHostMachine, MambaOnlyHostMachine):
+    _m.TestCase.settings = settings(max_examples=40, stateful_step_count=60, deadline=None, derandomize=True,
+                                    suppress_health_check=[HealthCheck.too_slow])
+TestSwaOnlyHost, TestMambaOnlyHost = SwaOnlyHostMachine.TestCase, MambaOnlyHostMachine.TestCase
 
 
 def test_the_host_tier_machine_loaded_back():

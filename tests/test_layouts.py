@@ -40,6 +40,33 @@ def test_each_family_is_read_from_its_own_fields():
     assert not model_layout(dict(num_hidden_layers=4, sliding_window=4096)).hybrid  # Qwen2-style: not sliding
 
 
+def test_models_without_full_attention_are_read_as_their_config_classes_and_vllm_read_them():
+    """Every layer sliding (a layer list of sliding layers; Mistral's bare `sliding_window`, which vLLM applies to
+    every layer; Qwen's only with use_sliding_window, from max_window_layers on) and pure Mamba2 (Mamba2Config
+    computes its layer list; its fields have no mamba_ prefix)."""
+    from radixd.server.config import model_geometry
+    every = model_layout(dict(layer_types=["sliding_attention"] * 3, sliding_window=64))
+    assert every.full_layers == () and every.swa_layers == (0, 1, 2) and every.hybrid
+    assert "no full-attention layer" in every.describe()
+    mistral = dict(model_type="mistral", num_hidden_layers=4, sliding_window=4096, num_attention_heads=8,
+                   num_key_value_heads=2, head_dim=16)
+    assert model_layout(mistral).swa_layers == (0, 1, 2, 3) and model_layout(mistral).window == 4096
+    assert not model_layout(dict(mistral, sliding_window=None)).hybrid  # (Mistral 7B v0.2 on)
+    assert model_geometry(mistral, hybrid=True) == dict(layers=0, kv_heads=2, head_dim=16, dtype="bfloat16",
+                                                        mla=False)
+    assert model_geometry(mistral)["layers"] == 4  # (without --hybrid-cache: cached as full attention)
+    qwen = dict(model_type="qwen2", num_hidden_layers=4, sliding_window=4096, max_window_layers=2)
+    assert not model_layout(qwen).hybrid  # use_sliding_window is false by default
+    assert model_layout(dict(qwen, use_sliding_window=True)).swa_layers == (2, 3)
+    assert model_layout(dict(qwen, use_sliding_window=True, max_window_layers=0)).full_layers == ()
+    mamba2 = dict(model_type="mamba2", num_hidden_layers=3, hidden_size=64, expand=2, num_heads=4, head_dim=32,
+                  n_groups=1, state_size=16, conv_kernel=4, torch_dtype="float32")
+    lay = model_layout(mamba2)
+    assert lay.full_layers == lay.swa_layers == () and lay.state_layers == (0, 1, 2)
+    assert lay.state.conv_shape == (128 + 2 * 16, 3) and lay.state.temporal_shape == (4, 32, 16)
+    assert model_geometry(mamba2, hybrid=True)["layers"] == 0
+
+
 def test_granite_4_and_falcon_h1_are_read_in_both_config_forms():
     """Granite 4 as the hub writes it (layer_types mamba / attention) and as transformers' save_pretrained writes it
     (linear_attention / full_attention: Mamba2 in this family, not a gated delta net), and Falcon-H1, whose
@@ -65,7 +92,9 @@ def test_granite_4_and_falcon_h1_are_read_in_both_config_forms():
     (dict(hybrid_override_pattern="M*X"), "'hybrid_override_pattern'[2]"),
     (dict(hybrid_override_pattern="M*", mamba_num_heads=8), "'mamba_head_dim'"),
     (dict(layer_types=["linear_attention", "full_attention"], linear_num_key_heads=0), "'linear_num_key_heads'"),
-    (dict(layer_types=["sliding_attention"], sliding_window=8), "no full-attention layer"),
+    (dict(layer_types=["mlp", "moe"]), "no layer keeps a cache"),
+    (dict(model_type="qwen2", num_hidden_layers=2, sliding_window=8, use_sliding_window=True,
+          max_window_layers="all"), "'max_window_layers'"),
     (dict(layer_types=["full_attention"], torch_dtype="int8"), None),
 ])
 def test_an_uninterpretable_field_is_named(cfg, field):

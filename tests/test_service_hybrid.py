@@ -35,6 +35,16 @@ TRI_CONFIG = {  # one layer of each kind, float32 so the values written come bac
 }
 
 
+# models with no full-attention layer: the tree's keys are the backbone, with no FULL KV pool behind them
+SWA_ONLY = {k: v for k, v in TRI_CONFIG.items() if not k.startswith(("mamba", "n_groups", "ssm", "conv", "chunk"))}
+SWA_ONLY.update(num_hidden_layers=1, layer_types=["sliding_attention"])
+SWA_MAMBA = dict(TRI_CONFIG, num_hidden_layers=2, layer_types=["sliding_attention", "mamba"])
+MAMBA_ONLY = {"architectures": ["Mamba2ForCausalLM"], "model_type": "mamba2", "num_hidden_layers": 1,
+              "hidden_size": 4, "expand": 2, "num_heads": 2, "head_dim": 4, "n_groups": 1, "state_size": 4,
+              "conv_kernel": 4, "chunk_size": 8, "torch_dtype": "float32"}
+COMPONENT_SETS = {"FSM": TRI_CONFIG, "S": SWA_ONLY, "SM": SWA_MAMBA, "M": MAMBA_ONLY}
+
+
 def _config(tmp_path, cfg: dict, name: str = "config.json") -> str:
     path = tmp_path / name
     path.write_text(json.dumps(cfg))
@@ -65,9 +75,10 @@ class Engine:
     def __init__(self, target: str):
         self.c = CacheClient(target, name="hybrid-engine")
         self.pools = self.c.map_pools()
-        self.full = self.pools.device[0].k_buffer[0]   # [slots, heads, dim]
-        self.swa = self.pools.swa.k_buffer[0]
-        self.conv = self.pools.state.conv_buffer[0]    # [states, conv dim, kernel - 1]
+        # (None: the model has no such layer)
+        self.full = self.pools.device[0].k_buffer[0] if self.pools.device else None  # [slots, heads, dim]
+        self.swa = self.pools.swa.k_buffer[0] if self.pools.swa else None
+        self.conv = self.pools.state.conv_buffer[0] if self.pools.state else None  # [states, conv dim, kernel - 1]
         self.checked = dict(full=0, swa=0, state=0)
         self.refused = 0
         self.host = False
@@ -93,13 +104,18 @@ class Engine:
         if not n:
             return
         want = torch.from_numpy(prefix_values(tokens[:n]))
-        assert torch.equal(self.full[torch.from_numpy(m.indices.copy()), 0, 0], want)
-        self.checked["full"] += n
-        lo = max(0, n - WINDOW)
-        twins = m.swa_indices[lo:n]
-        assert (twins >= 0).all(), f"the window before the match end ({lo}..{n}) has no SWA KV"
-        assert torch.equal(self.swa[torch.from_numpy(twins.copy()), 0, 0], want[lo:])
-        self.checked["swa"] += n - lo
+        if self.full is not None:
+            assert torch.equal(self.full[torch.from_numpy(m.indices.copy()), 0, 0], want)
+            self.checked["full"] += n
+        if self.swa is not None:
+            lo = max(0, n - WINDOW)
+            twins = m.swa_indices[lo:n]
+            assert (twins >= 0).all(), f"the window before the match end ({lo}..{n}) has no SWA KV"
+            assert torch.equal(self.swa[torch.from_numpy(twins.copy()), 0, 0], want[lo:])
+            self.checked["swa"] += n - lo
+        if self.conv is None:
+            assert m.mamba_src < 0 and m.mamba_slot < 0
+            return
         assert m.mamba_src >= 0
         assert torch.all(self.conv[m.mamba_src] == want[-1]), "the tree's state is not the prefix's"
         if cow:
@@ -112,7 +128,7 @@ class Engine:
         out of the window (free the SWA twins behind it, release the SWA lock)."""
         import torch
         c = self.c
-        m = c.match_hybrid([tokens], lock=True, mamba_cow=True)[0]
+        m = c.match_hybrid([tokens], lock=True, mamba_cow=self.conv is not None)[0]
         self.ok()
         self.verify(tokens, m)
         n = len(tokens)
@@ -120,22 +136,28 @@ class Engine:
             a = c.alloc_hybrid([n - m.matched_len])
         except ResourceExhausted:  # too much in flight: the scheduler puts it back in the queue
             c.unlock([m.receipt_id])
-            c.free_hybrid(states=[m.mamba_slot])
+            if m.mamba_slot >= 0:
+                c.free_hybrid(states=[m.mamba_slot])
             self.ok()
             self.refused += 1
             return None
         self.ok()
         own, twins = a.full[0], a.swa[0]
-        assert len(twins) == len(own) and (twins >= 0).all()
         vals = torch.from_numpy(prefix_values(tokens))
         fresh = vals[m.matched_len:]
-        self.full[torch.from_numpy(own[:len(fresh)].copy()), :, :] = fresh[:, None, None]
-        self.swa[torch.from_numpy(twins[:len(fresh)].copy()), :, :] = fresh[:, None, None]
+        if self.full is not None:
+            self.full[torch.from_numpy(own[:len(fresh)].copy()), :, :] = fresh[:, None, None]
+        if self.swa is not None:
+            assert len(twins) == len(own) and (twins >= 0).all()
+            self.swa[torch.from_numpy(twins[:len(fresh)].copy()), :, :] = fresh[:, None, None]
+        else:
+            assert not len(twins)
         aligned = n - n % PAGE
-        if aligned:
+        if aligned and self.conv is not None:
             self.conv[m.mamba_slot] = vals[aligned - 1]  # the state after the last whole page
         evicted = 0
-        if n - m.matched_len > WINDOW + 2 * PAGE and rng.random() < 0.6:  # decode left the window
+        if self.swa is not None and n - m.matched_len > WINDOW + 2 * PAGE and rng.random() < 0.6:  # decode left
+            # the window
             evicted = (n - WINDOW - PAGE) // PAGE * PAGE
             mine = own[:evicted - m.matched_len]
             assert c.free_hybrid(mine, swa_only=True)[0] == len(mine)
@@ -143,7 +165,8 @@ class Engine:
             c.release_swa([m.receipt_id])
             self.ok()
         return dict(tokens=tokens, indices=np.concatenate([m.indices, own]), prev_prefix_len=m.matched_len,
-                    receipt_id=m.receipt_id, swa_evicted_seqlen=evicted, mamba_value=m.mamba_slot)
+                    receipt_id=m.receipt_id, swa_evicted_seqlen=evicted,
+                    **(dict(mamba_value=m.mamba_slot) if self.conv is not None else {}))
 
     def finish(self, item: dict, unfinished: bool = False) -> None:
         """The request is done (after a chunk checkpoint, sometimes)."""
@@ -170,6 +193,30 @@ class Engine:
 def test_a_hybrid_workload_hits_exactly_the_kv_and_states_written_for_each_prefix(tri):
     """Shared system prompts and multi-turn conversations under pool pressure in all three pools."""
     _workload(tri)
+
+
+@pytest.mark.parametrize("components", ["S", "SM", "M"])
+@pytest.mark.parametrize("host", [False, True], ids=["device", "host"])
+def test_models_without_full_attention_keep_the_tree_on_keys_alone(tmp_path, components, host):
+    """Every layer sliding, sliding and Mamba, pure Mamba2: no FULL KV pool exists; the FULL slots are the tree's
+    keys (a budget, no bytes) and the same workload hits exactly the window KV and the states written for each
+    prefix, with every pool conserved after every call (and, with a host tier, what the device evicts copied down
+    and loaded back)."""
+    cfg = COMPONENT_SETS[components]
+    args = ["--num-slots", "384" if host else "768", "--page-size", str(PAGE), "--model-config",
+            _config(tmp_path, cfg), "--hybrid-cache", "--swa-ratio", "0.5", "--mamba-states", "10"]
+    if host:
+        args += ["--host-slots", "1536", "--load-back-threshold", "0"]
+    s = ServerProc(*args)
+    try:
+        st = _workload(s, host=host, components=components)
+        assert st["capacity_tokens"] == (384 if host else 768)  # the keys' budget
+        if host:
+            assert st["backup_tokens_total"] > 300 and st["load_back_tokens_total"] > 100, st
+        with CacheClient(s.target, name="pools") as c:
+            assert c.info()["device_pools"] == []
+    finally:
+        s.stop()
 
 
 @pytest.fixture
@@ -209,15 +256,18 @@ def test_a_host_tier_keeps_what_the_device_evicts_and_loads_it_back_byte_exact(t
     assert rows["host states"][:3] == ["40", str(st["host_mamba_free"]), str(st["host_mamba_cached"])], rows
 
 
-def _workload(server, host: bool = False) -> dict:
+def _workload(server, host: bool = False, components: str = "FSM") -> dict:
     rng = np.random.default_rng(11)
     e = Engine(server.target)
     e.host = host
     try:
-        info = e.c.info()
-        assert info["hybrid"]["sliding_window"] == WINDOW and info["hybrid"]["mamba_chunk"] == 8
-        assert info["hybrid"]["full_layers"] == [0] and info["hybrid"]["swa_layers"] == [1]
-        assert info["hybrid"]["state_layers"] == [2]
+        h = e.c.info()["hybrid"]
+        assert h["sliding_window"] == (WINDOW if "S" in components else 0)
+        assert h["mamba_chunk"] == (8 if "M" in components else 0)
+        at = iter(range(3))
+        assert h["full_layers"] == ([next(at)] if "F" in components else [])
+        assert h["swa_layers"] == ([next(at)] if "S" in components else [])
+        assert h["state_layers"] == ([next(at)] if "M" in components else [])
         systems = [rng.integers(0, 1000, int(rng.integers(8, 40)), dtype=np.int32) for _ in range(4)]
         convs: list[np.ndarray] = []
         running: list[dict] = []
@@ -238,7 +288,8 @@ def _workload(server, host: bool = False) -> dict:
                 if req is not None:
                     running.append(req)
             if rng.random() < 0.15:
-                e.c.evict_hybrid(int(rng.integers(0, 64)), int(rng.integers(0, 48)), int(rng.integers(0, 3)))
+                e.c.evict_hybrid(int(rng.integers(0, 64)), int(rng.integers(0, 48)) if "S" in components else 0,
+                                 int(rng.integers(0, 3)) if "M" in components else 0)
                 e.ok()
         for item in running:
             e.finish(item)
@@ -246,7 +297,10 @@ def _workload(server, host: bool = False) -> dict:
         assert st["receipts"] == 0 and st["held_tokens"] == 0 and st["mamba_held"] == 0
         assert st["swa_held_tokens"] == 0
         assert st["evicted_tokens_total"] > 0, "the workload never filled the FULL pool"
-        assert e.checked["full"] > 1000 and e.checked["swa"] > 300 and e.checked["state"] > 30, e.checked
+        assert e.checked["full"] > 1000 or "F" not in components, e.checked
+        assert e.checked["swa"] > 300 or "S" not in components, e.checked
+        assert e.checked["state"] > 30 or "M" not in components, e.checked
+        assert e.checked["full"] + e.checked["swa"] + e.checked["state"] > 0
         assert e.refused < 30, f"{e.refused} requests found no room"
         return st
     finally:
@@ -410,6 +464,32 @@ def test_hybrid_events_name_each_component(tri):
             for ev in event_dicts(batch):
                 kinds.add((ev.get("group_idx"), ev.get("kv_cache_spec_kind"), ev.get("kv_cache_spec_sliding_window")))
         assert kinds == {(0, "full_attention", None), (1, "sliding_window", WINDOW), (2, "mamba", None)}
+
+
+@pytest.mark.parametrize("components,kinds", [("S", {(0, "sliding_window", WINDOW)}),
+                                              ("SM", {(0, "sliding_window", WINDOW), (1, "mamba", None)}),
+                                              ("M", {(0, "mamba", None)})])
+def test_a_model_without_full_attention_announces_no_full_pages(tmp_path, components, kinds):
+    """Its FULL slots are keys with no KV: a router must not count them as cached; the other components are the
+    event groups from 0, as vLLM numbers such a model's KV cache groups."""
+    from radixd.client.events import event_dicts, watch
+    s = ServerProc("--num-slots", "256", "--page-size", str(PAGE), "--model-config",
+                   _config(tmp_path, COMPONENT_SETS[components]), "--hybrid-cache", "--mamba-states", "4",
+                   "--kv-events")
+    try:
+        with CacheClient(s.target, name="ev") as c:
+            a = c.alloc_hybrid([8], mamba_states=1 if "M" in components else 0)
+            extra = dict(mamba_value=int(a.states[0])) if "M" in components else {}
+            c.cache_finished([dict(tokens=np.arange(8, dtype=np.int32), indices=a.full[0], **extra)])
+            assert c.match_hybrid([np.arange(8, dtype=np.int32)])[0].matched_len == 8
+            got = set()
+            for batch in watch(s.target, from_seq=0, follow=False):
+                for ev in event_dicts(batch):
+                    got.add((ev.get("group_idx"), ev.get("kv_cache_spec_kind"),
+                             ev.get("kv_cache_spec_sliding_window")))
+            assert got == kinds
+    finally:
+        s.stop()
 
 
 @pytest.mark.parametrize("config,pools", [

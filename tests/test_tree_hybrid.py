@@ -60,10 +60,11 @@ def test_the_mamba_states_per_path_cap_agrees_with_sglang(page, core):
 
 
 def tree_pages(t: HybridTree, page: int) -> dict[int, Counter]:
-    """Per component (FULL 0, SWA 1, MAMBA 2), the page hashes the tree holds (a multiset), recomputed from its
+    """Per event group (the tree's `groups`), the page hashes the tree holds (a multiset), recomputed from its
     keys and namespaces: the cache_salt seeds the hashes; the extra_key is not hashed (as in the plain tree and
     SGLang), so one prefix cached under two adapters names the same pages twice."""
     want = {0: Counter(), 1: Counter(), 2: Counter()}
+    g = t.groups  # (FULL 0, SWA and MAMBA after it; without FULL KV, FULL is not announced and the rest start at 0)
     for node in list(t._nodes.values()):
         if node.parent is None:
             continue
@@ -73,11 +74,12 @@ def tree_pages(t: HybridTree, page: int) -> dict[int, Counter]:
             walker = walker.parent
         tokens = np.frombuffer(b"".join(reversed(path)), "<i4").tolist()
         pages = token_block_hashes(tokens, page, node.ns[1], node.ns[0])[-(node.n // page):]
-        want[0].update(pages)
+        if t.full_kv:
+            want[g["full"]].update(pages)
         if node.swa:
-            want[1].update(pages)
+            want[g["swa"]].update(pages)
         if node.mamba >= 0:
-            want[2][pages[-1]] += 1
+            want[g["mamba"]][pages[-1]] += 1
     return want
 
 

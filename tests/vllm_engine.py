@@ -101,6 +101,33 @@ def build_model(path: str, arch: str = "llama") -> None:
         cfg.architectures = ["DeepseekV2ForCausalLM"]
         torch.manual_seed(0)
         model = DeepseekV2ForCausalLM(cfg)
+    elif arch == "qwen3-sliding":  # every layer sliding (window 64): use_sliding_window from layer 0 on
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+        cfg = Qwen3Config(hidden_size=KV_HEADS * 2 * HEAD_DIM, intermediate_size=256, num_hidden_layers=LAYERS,
+                          num_attention_heads=4, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, vocab_size=512,
+                          use_sliding_window=True, sliding_window=64, max_window_layers=0,
+                          max_position_embeddings=16384, bos_token_id=1, eos_token_id=2, torch_dtype="float32")
+        cfg.architectures = ["Qwen3ForCausalLM"]
+        torch.manual_seed(0)
+        model = Qwen3ForCausalLM(cfg)
+    elif arch == "mistral-sliding":  # every layer sliding (window 64) from a bare `sliding_window`: no layer list
+        from transformers import MistralConfig, MistralForCausalLM
+        cfg = MistralConfig(hidden_size=KV_HEADS * 2 * HEAD_DIM, intermediate_size=256, num_hidden_layers=LAYERS,
+                            num_attention_heads=4, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, vocab_size=512,
+                            sliding_window=64, max_position_embeddings=16384, bos_token_id=1, eos_token_id=2,
+                            torch_dtype="float32")
+        cfg.architectures = ["MistralForCausalLM"]
+        torch.manual_seed(0)
+        model = MistralForCausalLM(cfg)
+    elif arch == "mamba2":  # pure Mamba2: no attention layer (4 heads of 32, state 16, one group)
+        from transformers import Mamba2Config, Mamba2ForCausalLM
+        cfg = Mamba2Config(hidden_size=64, expand=2, num_heads=4, head_dim=32, n_groups=1, state_size=16,
+                           conv_kernel=4, chunk_size=64, num_hidden_layers=LAYERS, vocab_size=512,
+                           time_step_min=1e-30, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                           torch_dtype="float32", mamba_ssm_cache_dtype="float32")
+        cfg.architectures = ["Mamba2ForCausalLM"]
+        torch.manual_seed(0)
+        model = Mamba2ForCausalLM(cfg)
     else:
         cfg = LlamaConfig(hidden_size=KV_HEADS * 2 * HEAD_DIM, intermediate_size=256, num_hidden_layers=LAYERS,
                           num_attention_heads=4, num_key_value_heads=KV_HEADS, vocab_size=512,
@@ -126,7 +153,8 @@ def main() -> None:
     ap.add_argument("--radixd", default="")
     ap.add_argument("--hybrid", action="store_true", help="RadixdHybridConnector (vLLM keeps its hybrid manager)")
     ap.add_argument("--arch", default="llama", help="the tiny model to build",
-                    choices=["llama", "gemma3", "gpt-oss", "nemotron-h", "deepseek-v2", "falcon-h1", "granite-4"])
+                    choices=["llama", "gemma3", "gpt-oss", "nemotron-h", "deepseek-v2", "falcon-h1", "granite-4",
+                             "qwen3-sliding", "mistral-sliding", "mamba2"])
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (worker processes: mp)")
@@ -159,8 +187,8 @@ def main() -> None:
         kw["kv_transfer_config"] = KVTransferConfig(kv_connector="NullConnector",
                                                     kv_connector_module_path="vllm_null_connector", kv_role="kv_both")
     arch = (json.load(open(os.path.join(args.model_dir, "config.json"))).get("architectures") or [""])[0]
-    if arch in ("NemotronHForCausalLM", "FalconH1ForCausalLM", "GraniteMoeHybridForCausalLM"):  # Mamba2 on CPU: a
-        # prefill chunk may not cross a block (VLLM_CPU.md)
+    if arch in ("NemotronHForCausalLM", "FalconH1ForCausalLM", "GraniteMoeHybridForCausalLM", "Mamba2ForCausalLM"):
+        # (Mamba2 on CPU: a prefill chunk may not cross a block, VLLM_CPU.md)
         kw.update(block_size=MAMBA_BLOCK, max_num_batched_tokens=MAMBA_BLOCK)
     elif arch == "DeepseekV2ForCausalLM":  # (vLLM's CPU MLA kernel: blocks of 16 only)
         kw.update(block_size=MLA_BLOCK)

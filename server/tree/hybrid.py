@@ -191,12 +191,17 @@ class HybridTree:
 
     def __init__(self, page_size: int = 1, window: Optional[int] = None, mamba_chunk: Optional[int] = None,
                  events: bool = False, mamba_max_states_per_path: int = -1, victims: bool = False,
-                 medium: str = GPU, native: bool = True):
+                 medium: str = GPU, native: bool = True, full_kv: bool = True):
         if page_size < 1:
             raise ValueError("page_size must be >= 1")
         self.page_size = page_size
         self._pb = page_size * 4
-        self._params = (page_size, window, mamba_chunk, events, mamba_max_states_per_path, victims, medium, native)
+        self._params = (page_size, window, mamba_chunk, events, mamba_max_states_per_path, victims, medium, native,
+                        full_kv)
+        # False: the model has no full-attention layer; FULL slots are the tree's keys with no KV behind them, so
+        # FULL pages are not announced (a router would count them as hits) and the other components number the
+        # event groups from 0, as vLLM numbers such a model's KV cache groups
+        self.full_kv = full_kv
         self.medium = medium  # what events say the pages sit in (a host tier's tree: CPU)
         self._victims: Optional[list] = [] if victims else None  # deleted D-leaves, for a host tier below
         self.counters = TreeCounters()
@@ -215,7 +220,8 @@ class HybridTree:
         self.components = (FULL,) + tuple(c.name for c in self.aux)
         self.evictable = {c: 0 for c in (FULL, SWA, MAMBA)}
         self.protected = {c: 0 for c in (FULL, SWA, MAMBA)}
-        self.groups = {c: i for i, c in enumerate(self.components)}  # component -> event group_idx
+        self.groups = {c: i for i, c in enumerate(c for c in self.components if c != FULL or full_kv)}  # event
+        # group_idx of each component
         self._ev: Optional[list] = [] if events else None
         rules = tuple(c.native_rule() for c in self.aux)
         # the C match (server/tree/_hwalk.c) and each component's rule for it; None: the Python path
@@ -636,7 +642,7 @@ class HybridTree:
     def _record(self, kind: int, component: str, node: HNode) -> None:
         """Queue one component's store or removal of a node (hashed now: the node may split or go later).
         FULL and SWA name every page of the node; MAMBA names its last page, the prefix its state sums up."""
-        if self._ev is None:
+        if self._ev is None or (component == FULL and not self.full_kv):
             return
         self._ev.append(self._rec(kind, component, node))
 
@@ -671,7 +677,8 @@ class HybridTree:
             stack = list(root.children.values())
             while stack:
                 node = stack.pop()
-                recs.append(self._rec(STORED, FULL, node))
+                if self.full_kv:
+                    recs.append(self._rec(STORED, FULL, node))
                 recs.extend(self._rec(STORED, c.name, node) for c in self.aux if c.has(node))
                 stack.extend(node.children.values())
         return self._events_of(recs)
