@@ -244,9 +244,12 @@ def cmd_simulate(args) -> None:
             total = sum(1 for _ in fh)
         total = min(total, args.requests) if args.requests else total
         make = lambda: sim.trace_requests(args.trace, total)  # noqa: E731
+    hybrid, grid = None, {}
+    if args.model_config:
+        hybrid, grid = _hybrid_grid(args, host_x, policies)
     os.makedirs(args.out, exist_ok=True)
     results, timelines = sim.run_grid(make, caps, host_x, policies, pages, every=max(total // 50, 1),
-                                      progress=not args.quiet, total=total)
+                                      progress=not args.quiet, total=total, hybrid=hybrid, **grid)
     print(sim.table(results))
     csv_path = os.path.join(args.out, "simulate.csv")
     sim.write_csv(results, csv_path)
@@ -257,6 +260,34 @@ def cmd_simulate(args) -> None:
         except ImportError:
             print("matplotlib is not installed (pip install 'radixd[plots]'): no plots", file=sys.stderr)
     print("wrote " + " ".join(outputs))
+
+
+def _hybrid_grid(args, host_x: list[float], policies: list[str]) -> tuple:
+    """simulate --model-config: the model's hybrid layout and the SWA / state axes of the grid."""
+    import json
+
+    from .layouts import LayoutError, model_layout
+    from .simulate import HybridLayout
+    try:
+        with open(args.model_config) as fh:
+            hf = json.load(fh)
+        lay = model_layout(hf)
+    except (OSError, ValueError, LayoutError) as e:
+        raise UsageError(f"simulate --model-config: {args.model_config}: {e}") from None
+    if not lay.hybrid:
+        raise UsageError(f"simulate --model-config: not a hybrid model ({lay.describe()}); leave it out")
+    if any(host_x) or policies != ["lru"]:
+        raise UsageError("simulate --model-config: a hybrid layout is simulated on the device, by LRU (no --host-x, "
+                         "--policy)")
+    try:
+        ratios = [float(x) for x in args.swa_ratio.split(",") if x]
+        states = _ints(args.mamba_states)
+    except ValueError as e:
+        raise UsageError(f"simulate: {e}") from None
+    text = hf.get("text_config") or hf
+    chunk = args.mamba_chunk or text.get("chunk_size") or 64
+    return HybridLayout(lay.window if lay.swa_layers else None, chunk if lay.state_layers else None,
+                        bool(lay.full_layers)), dict(swa_ratios=tuple(ratios), states=tuple(states))
 
 
 def cmd_top(args) -> None:
@@ -295,6 +326,13 @@ def main(argv: list[str] | None = None) -> None:
     simp.add_argument("--host-x", default="0", help="host tier sizes as multiples of the device (comma list)")
     simp.add_argument("--policy", default="lru", help="eviction policies (comma list)")
     simp.add_argument("--page", default="16", help="page sizes (comma list)")
+    simp.add_argument("--model-config", default="", help="a hybrid model's config.json: simulate its SWA pool and "
+                      "state slots (the grid's --swa-ratio and --mamba-states)")
+    simp.add_argument("--swa-ratio", default="0.125,0.5", help="hybrid: SWA pool sizes as multiples of the device "
+                      "capacity (comma list)")
+    simp.add_argument("--mamba-states", default="64,256", help="hybrid: state slots (comma list)")
+    simp.add_argument("--mamba-chunk", type=int, default=0, help="hybrid: state checkpoint interval (default: the "
+                      "config's chunk_size, else 64)")
     simp.add_argument("--out", default="radixd-simulate", help="folder for the CSV and the plots")
     simp.add_argument("--no-plots", action="store_true")
     simp.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -90,7 +90,8 @@ def render(info: dict, prev: Sample, cur: Sample):
     pools = Table(title="pools (tokens)", expand=True)
     for col in ("tier", "capacity", "free", "cached", "evictable", "protected", "held", "in flight"):
         pools.add_column(col, justify="right")
-    pools.add_row("device", str(s["capacity_tokens"]), str(s["free_tokens"]), str(s["cached_tokens"]),
+    keys_only = info.get("hybrid") and not info.get("device_pools")  # (no full-attention layer: keys, no KV)
+    pools.add_row("keys" if keys_only else "device", str(s["capacity_tokens"]), str(s["free_tokens"]), str(s["cached_tokens"]),
                   str(s["evictable_tokens"]), str(s["protected_tokens"]), str(s["held_tokens"]),
                   str(s["in_flight_tokens"]))
     if s.get("host_capacity_tokens"):

@@ -131,3 +131,62 @@ def test_the_hit_rate_over_time_plot_stays_readable_at_40_cells():
         assert labels[0] == "1,024" and labels[-1] == f"{caps[-1]:,}"  # the smallest and largest stay
         assert "8 of 10 sizes" in ax.get_title()
     plt.close(fig)
+
+
+def test_a_window_longer_than_every_request_makes_the_hybrid_tree_hit_what_full_attention_does():
+    """With room for everything and a window no request outgrows, SWA KV is never freed below a window, so every
+    prefix seen before is a hit, as in the plain tree."""
+    from radixd.server.simulate import HybridLayout, HybridSimulator
+    reqs = list(synthetic_requests(150, seed=3))
+    room = sum(map(len, reqs)) + 1024
+    sim = HybridSimulator(room, HybridLayout(window=1 << 20, mamba_chunk=None), swa_tokens=room, page=16)
+    for r in reqs:
+        sim.step(r)
+    assert sim.r.device_hit == _prefix_model_hits(reqs, 16) and sim.r.evicted == 0
+
+
+@pytest.mark.parametrize("window,chunk,full_kv", [(128, None, True), (None, 64, True), (128, 64, False),
+                                                  (128, None, False), (None, 64, False)],
+                         ids=["F+S", "F+M", "S+M", "S", "M"])
+def test_the_hybrid_simulation_accounts_for_every_slot_of_every_pool(window, chunk, full_kv):
+    """Under pressure in every pool: after each request the hybrid tree's checker is clean and each pool's free
+    slots plus what the tree holds are its capacity; a larger SWA pool or more states never lose hits here."""
+    from radixd.server.simulate import HybridLayout, HybridSimulator
+    from radixd.server.tree.hybrid_check import check_hybrid
+    lay = HybridLayout(window, chunk, full_kv)
+    reqs = list(synthetic_requests(250, seed=5))
+    rates = []
+    for swa, states in ((512, 8), (4096, 64)):
+        sim = HybridSimulator(8192, lay, swa_tokens=swa if window else 0, states=states if chunk else 0, page=16)
+        for r in reqs:
+            sim.step(r)
+            sizes = {c: e + p for c, (e, p) in sim.tree.sizes().items()}
+            assert sim.dev.top + sizes["full"] == 8192
+            if window:
+                assert sim.swa_free + sizes["swa"] == swa
+            if chunk:
+                assert sim.states.top + sizes["mamba"] == states
+            assert check_hybrid(sim.tree) == []
+        assert sim.r.evicted > 0
+        rates.append(sim.r.hit_rate)
+    assert 0 < rates[0] <= rates[1], rates
+
+
+def test_the_cli_simulates_a_hybrid_models_pools_from_its_config(tmp_path):
+    """--model-config: the grid spans SWA pool sizes and state slots; the table and the CSV say which."""
+    cfg = os.path.join(os.path.dirname(__file__), "configs", "gpt-oss.json")
+    r = subprocess.run(CLI + ["simulate", "--model-config", cfg, "--capacity", "8192", "--swa-ratio", "0.125,1",
+                              "--requests", "200", "--out", str(tmp_path), "--no-plots", "--quiet"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].split()[:4] == ["device", "host", "swa", "states"]
+    rows = [ln.split() for ln in lines[1:3]]
+    assert [x[2] for x in rows] == ["1024", "8192"] and float(rows[0][6]) < float(rows[1][6]), r.stdout
+    assert "swa_tokens" in open(tmp_path / "simulate.csv").readline()
+    for bad, says in ((["--host-x", "1"], "no --host-x"),
+                      (["--model-config", os.path.join(os.path.dirname(__file__), "configs", "missing.json")],
+                       "missing.json")):
+        args = ["simulate", "--model-config", cfg, "--out", str(tmp_path), "--quiet"] + bad
+        r = subprocess.run(CLI + args, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
