@@ -201,7 +201,9 @@ def build_hybrid_core(cfg: Config, instance_id: str, backend: str) -> CacheCore:
             swa=SwaTranslation(host_slots, host_swa, cfg.page_size) if swa_spec else None,
             swa_pool=host_pools[int(spec is not None)] if swa_spec is not None else None,
             states=SlotAllocator(host_states) if host_states else None,
-            state_pool=host_pools[-1] if host_states else None, load_back_threshold=cfg.load_back_threshold)
+            state_pool=host_pools[-1] if host_states else None, load_back_threshold=cfg.load_back_threshold,
+            # (a hybrid host tier is write-back unless write_through is asked for: the plain tier's default is not)
+            write_through="write_policy" in getattr(cfg, "_origin", {}) and cfg.write_policy == "write_through")
         _step("host_pool")
     return HybridCore(tree, SlotAllocator(cfg.num_slots, cfg.page_size), instance_id, full_pools,
                       swa=SwaTranslation(cfg.num_slots, swa_spec.num_slots, cfg.page_size) if swa_spec else None,

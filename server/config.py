@@ -321,9 +321,9 @@ def _check_hybrid(cfg: Config, origin: dict[str, str]) -> None:
     for name, on in (("storage", cfg.storage), ("bigram", cfg.bigram)):
         if on:
             raise ConfigError(f"{src} and {origin[name]}: a hybrid model has no L3 tier and no bigram keys yet")
-    if "write_policy" in origin and cfg.write_policy != "write_back":
+    if "write_policy" in origin and cfg.write_policy not in ("write_back", "write_through"):
         raise ConfigError(f"{src} and {origin['write_policy']}: a hybrid model's host tier copies what the device "
-                          "evicts (write_back); it has no write-through policy")
+                          "evicts (write_back) or every prefix at once (write_through); it has no selective policy")
     lay = cfg._layout
     if not lay.full_layers and lay.swa_layers and "swa_ratio" not in origin:
         cfg.swa_ratio = NO_FULL_SWA_RATIO

@@ -195,6 +195,8 @@ class HybridCore(HybridShelf, CacheCore):
                 self.states.move(d, HELD, FREE, s.owner, check=False)
             else:
                 self.states.move(d, HELD, TREE, s.owner, check=False)
+        if self.host_tier is not None and self.host_tier.write_through:
+            self.host_tier.back_up(it.tokens[:n], it.ns, self)
         out = InsertOutcome(r.prefix_len, r.node_id, int(freed.size), int(fresh.size))
         out.mamba_exist = r.mamba_exist
         return out, it.indices[n:]

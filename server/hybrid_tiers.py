@@ -9,6 +9,8 @@ hybrid tree over shared-memory pools of the same geometry, used as a victim cach
     most, all a load-back restores) and the leaf's state; the host tree takes it with the same insert rules
     (`swa_evicted_seqlen` below the run, `mamba_value` the copied state), so the host matches exactly where
     the copy can serve;
+  * write-through (`--write-policy write_through`): every prefix the device tree takes is copied down the same
+    way at once, so a later device eviction finds the host already holding it;
   * load back (R5.10): a match whose host prefix is longer than its device prefix copies the difference back
     (FULL KV, the SWA KV of the last window only, the state at the host match end) and inserts it into the
     device tree, inside the same MatchPrefix: hybrid clients see a deeper device hit and nothing else. The
@@ -139,8 +141,9 @@ class HybridHostTier(HybridShelf):
 
     def __init__(self, tree: HybridTree, alloc: SlotAllocator, kv_pool: Any, swa: Optional[SwaTranslation] = None,
                  swa_pool: Any = None, states: Optional[SlotAllocator] = None, state_pool: Any = None,
-                 load_back_threshold: int = 0):
+                 load_back_threshold: int = 0, write_through: bool = False):
         self.tree, self.alloc, self.kv_pool = tree, alloc, kv_pool
+        self.write_through = write_through
         self.swa, self.swa_pool = swa, swa_pool
         self.states, self.state_pool = states, state_pool
         self.threshold = load_back_threshold
@@ -167,6 +170,19 @@ class HybridHostTier(HybridShelf):
                 self._demote_one(v, dev)
             except Exhausted:
                 self.skipped += 1
+
+    def back_up(self, tokens: TokenInput, ns: Namespace, dev: HybridShelf) -> None:
+        """write_through: copy what the device serves of tokens' prefix now (every component, as a demotion
+        does); best effort, as a demotion."""
+        m = dev.tree.match_prefix(tokens, ns)
+        if not m.matched_len or (self.tree.mamba is not None and m.mamba_src < 0):
+            return
+        floor = max(0, m.matched_len - dev.tree.swa.tail_len) if self.swa is not None else m.matched_len
+        try:
+            self._demote_one(Victim(ns, as_int32(tokens)[:m.matched_len].tobytes(), m.indices, floor, m.mamba_src),
+                             dev)
+        except Exhausted:
+            self.skipped += 1
 
     def _demote_one(self, v: Victim, dev: HybridShelf) -> None:
         page = self.alloc.page_size

@@ -47,7 +47,7 @@ BAD_SERVE = [  # (argv after `serve`, extra environment, text the one line must 
     (["--hybrid-cache"], {}, "needs --model-config"),
     (["--hybrid-cache", "--model-config", f"{_CONFIGS}/gemma3-text.json", "--bigram"], {}, "--bigram"),
     (["--hybrid-cache", "--model-config", f"{_CONFIGS}/gemma3-text.json", "--host-slots", "64", "--write-policy",
-      "write_through"], {}, "--write-policy"),
+      "write_through_selective"], {}, "--write-policy"),
     (["--hybrid-cache", "--model-config", f"{_CONFIGS}/nemotron-h-4b.json", "--storage", "file:///tmp/l3"], {},
      "--storage"),
     (["--hybrid-cache", "--model-config", f"{_CONFIGS}/gemma3-text.json", "--swa-ratio", "0"], {}, "--swa-ratio"),

@@ -271,10 +271,16 @@ class MambaOnlyHostMachine(HostTierMachine):
     COMPONENTS = "M"
 
 
-for _m in (SwaOnlyHostMachine, MambaOnlyHostMachine):
+class WriteThroughHostMachine(HostTierMachine):
+    """Every prefix the device takes is copied to the host at once (write_through)."""
+    HOST = dict(HostTierMachine.HOST, write_policy="write_through")
+
+
+for _m in (SwaOnlyHostMachine, MambaOnlyHostMachine, WriteThroughHostMachine):
     _m.TestCase.settings = settings(max_examples=40, stateful_step_count=60, deadline=None, derandomize=True,
                                     suppress_health_check=[HealthCheck.too_slow])
 TestSwaOnlyHost, TestMambaOnlyHost = SwaOnlyHostMachine.TestCase, MambaOnlyHostMachine.TestCase
+TestWriteThroughHost = WriteThroughHostMachine.TestCase
 
 
 def test_the_host_tier_machine_loaded_back():

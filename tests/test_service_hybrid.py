@@ -256,6 +256,35 @@ def test_a_host_tier_keeps_what_the_device_evicts_and_loads_it_back_byte_exact(t
     assert rows["host states"][:3] == ["40", str(st["host_mamba_free"]), str(st["host_mamba_cached"])], rows
 
 
+@pytest.mark.parametrize("components", ["FSM", "S", "M"])
+def test_a_write_through_host_tier_copies_every_prefix_at_once_and_serves_it_under_device_pressure(tmp_path,
+                                                                                                   components):
+    """--write-policy write_through: a prefix is on the host as soon as the device takes it (before any eviction);
+    then the workload on a small device hits exactly the values written, device and host pools conserved."""
+    args = ["--num-slots", "384", "--page-size", str(PAGE), "--model-config",
+            _config(tmp_path, COMPONENT_SETS[components]), "--hybrid-cache", "--swa-ratio", "0.5",
+            "--mamba-states", "10", "--host-slots", "1536", "--load-back-threshold", "0",
+            "--write-policy", "write_through"]
+    s = ServerProc(*args)
+    try:
+        with CacheClient(s.target, name="wt") as c:
+            state = "M" in components
+            a = c.alloc_hybrid([32], mamba_states=1 if state else 0)
+            tokens = np.arange(100, 132, dtype=np.int32)
+            c.cache_finished([dict(tokens=tokens, indices=a.full[0],
+                                   **(dict(mamba_value=int(a.states[0])) if state else {}))])
+            st = c.stats()
+            assert st["evicted_tokens_total"] == 0 and st["host_cached_tokens"] == 32, st
+            assert st["backup_tokens_total"] == 32 and c.check() == []
+            c.evict_hybrid(1 << 20)
+            assert c.match_hybrid([tokens])[0].matched_len == 32  # loaded back from the host
+            assert c.stats()["load_back_tokens_total"] == 32
+        st = _workload(s, host=True, components=components)
+        assert st["load_back_tokens_total"] > 100, st
+    finally:
+        s.stop()
+
+
 def _workload(server, host: bool = False, components: str = "FSM") -> dict:
     rng = np.random.default_rng(11)
     e = Engine(server.target)

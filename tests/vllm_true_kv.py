@@ -30,7 +30,7 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
     with torch.no_grad():
         out = model(torch.tensor([prompt[:n]]), use_cache=True)
-    cache = out.past_key_values
+    cache = _cache(out)
     with CacheClient(target, name="true-kv-reader") as c:
         hybrid = c.info()["hybrid"]
         attention = hybrid["full_layers"] + hybrid["swa_layers"] if hybrid else range(len(model.model.layers))
@@ -44,7 +44,7 @@ def main() -> None:
         pools = c.map_pools()
         res = {"tokens": n, "layers": []}
         ok = True
-        if pools.device[0].descriptor.mla:  # MLA: transformers caches each token's normalized latent (keys) and its
+        if pools.device and pools.device[0].descriptor.mla:  # MLA: transformers caches each token's normalized latent (keys) and its
             # rotated key part (values), single-head; radixd's latent buffer holds both, in that order, per slot
             idx = torch.from_numpy(np.array(m.indices, dtype=np.int64))
             for i in attention:
@@ -82,12 +82,18 @@ def main() -> None:
     print(json.dumps(res), flush=True)
 
 
+def _cache(out):
+    """transformers' cache of a forward (a pure Mamba model names it cache_params)."""
+    cache = getattr(out, "past_key_values", None)
+    return cache if cache is not None else out.cache_params
+
+
 def _states(model, c: CacheClient, pools, prompt: list[int], layers: list[int], ends: list[int], res: dict) -> bool:
     """radixd's state at each end against transformers' cache after exactly that many tokens."""
     ok, res["states"] = True, []
     for n in ends:
         with torch.no_grad():
-            cache = model(torch.tensor([prompt[:n]]), use_cache=True).past_key_values
+            cache = _cache(model(torch.tensor([prompt[:n]]), use_cache=True))
         m = c.match_hybrid([np.asarray(prompt[:n], dtype=np.int32)])[0]
         row = dict(tokens=n, matched=m.matched_len, slot=m.mamba_src, layers=[])
         ok &= m.matched_len == n and m.mamba_src >= 0

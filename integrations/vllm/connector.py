@@ -356,8 +356,6 @@ def _group_kinds(kv_cache_config: "KVCacheConfig") -> list[str]:
         else:
             raise ValueError(f"radixd connector: KV cache group {type(spec).__name__} (layers {g.layer_names[:2]}...) "
                              "is not supported yet: only full-attention, sliding-window and Mamba groups")
-    if "full" not in kinds:
-        raise ValueError("radixd connector: the model has no full-attention layer (radixd's tree needs one)")
     return kinds
 
 
@@ -461,7 +459,9 @@ class _Scheduler:
                              f"{self.page}; start radixd with --page-size {self.page}")
         self.hybrid = conn.hma
         self.swa = any(k.startswith("swa") for k in conn.groups)
-        self.full = conn.groups.index("full")  # the group whose block table decides what is stored
+        # the group whose block table decides what is stored (every group's table spans the request's blocks, with
+        # null blocks outside a window: a model with no full-attention layer has another group first)
+        self.full = conn.groups.index("full") if "full" in conn.groups else 0
         if self.hybrid:
             _check_hybrid_server(info, conn.groups)
         # states are published where radixd wants its checkpoints (--mamba-chunk, on block boundaries) and at the
@@ -817,7 +817,8 @@ def _check_hybrid_server(info: dict, groups: list[str]) -> None:
     if not h or not (h["swa_layers"] or h["state_layers"]):
         raise ValueError("radixd connector (hybrid): the radixd server holds a plain model; start it with "
                          "--hybrid-cache --model-config <this model's config.json>")
-    for what, have, want in (("sliding-window", bool(h["swa_layers"]), any(k.startswith("swa") for k in groups)),
+    for what, have, want in (("full-attention", bool(h["full_layers"]), "full" in groups),
+                             ("sliding-window", bool(h["swa_layers"]), any(k.startswith("swa") for k in groups)),
                              ("Mamba state", bool(h["state_layers"]), "mamba" in groups)):
         if have != want:
             raise ValueError(f"radixd connector (hybrid): radixd's model {'has' if have else 'has no'} {what} "
@@ -1057,18 +1058,19 @@ class _Worker:
                         for n in grp.layer_names}
             state_names = [n for n in names if kinds[group_of[n]] == "mamba"]
             names = [n for n in names if kinds[group_of[n]] != "mamba"]
-        self.layers = [kv_caches[n] for n in names]
+        self.layers = [kv_caches[n] for n in names]  # attention layers (none: a pure Mamba model)
+        self.device = next(iter(kv_caches.values())).device
         self.rank = _tp_rank(self.conn.tp)
-        self.geo = geometry(self.layers[0], self.conn.block_size, self.conn.mla)
-        if self.geo.layout == "cpu":
+        self.geo = geometry(self.layers[0], self.conn.block_size, self.conn.mla) if self.layers else None
+        if self.geo is not None and self.geo.layout == "cpu":
             self.geo = _probe_cpu_kernel(self.geo, self.conn)
         cpus = self.conn.cpus
         self._layout = (names, state_names if self.conn.hma else [], kv_caches, group_of if self.conn.hma else {})
         self._map()
-        if self.geo.layout == "cpu":
+        if self.geo is not None and self.geo.layout == "cpu":
             log.info("radixd connector: %d of %d layers copy through numpy views of the blocks (the rest: the "
                      "general gather)", sum(x is not None for x in self.views), len(self.views))
-        dv = self.layers[0].device
+        dv = self.device
         self.stream = torch.cuda.Stream(device=dv) if dv.type == "cuda" else None  # copies off the compute stream
         # asynchronous stores get their own stream: a load (waited for) must not queue behind them
         self.save_stream = torch.cuda.Stream(device=dv) if dv.type == "cuda" and self.conn.async_save else None
@@ -1097,13 +1099,13 @@ class _Worker:
                                  f"(every rank copies its heads of each page there); radixd has "
                                  f"{len(info['device_pools'])}: start it with one --gpus ordinal")
             # (a rank on another GPU than radixd's pool maps it all the same: its copies go between the GPUs)
-            self.pools = client.map_pools(self.layers[0].device, host=False, elsewhere=self.conn.tp > 1)
+            self.pools = client.map_pools(self.device, host=False, elsewhere=self.conn.tp > 1)
         finally:
             client.close()
         self.instance = info["instance_id"]
         beside(cpus, lambda: populate_in_background(
             self.pools.device + [p for p in (self.pools.swa, self.pools.state) if p is not None]))
-        dev = self.pools.device[0]
+        dev = self.pools.device[0] if self.pools.device else None  # (None: a model with no full-attention layer)
         if self.conn.hma:
             self.plan = self._hybrid_plan(names, info)
             self.states = self._state_plan(state_names, kv_caches, info, group_of)
@@ -1113,9 +1115,10 @@ class _Worker:
             ks, vs = (dev.kv_buffer, [None] * len(dev.kv_buffer)) if dev.descriptor.mla else \
                 (dev.k_buffer, dev.v_buffer)
             self.plan = [(kv, 0, ks[n], vs[n], False, first, writes) for n, kv in zip(numbers, self.layers)]
-        where = (dev.kv_buffer or dev.k_buffer)[0].device
-        if where.type != self.layers[0].device.type:
-            raise ValueError(f"radixd connector: radixd's pool is on {where}, vLLM's KV on {self.layers[0].device}")
+        pool = dev or self.pools.swa or self.pools.state
+        where = (pool.conv_buffer if pool is self.pools.state else pool.kv_buffer or pool.k_buffer)[0].device
+        if where.type != self.device.type:
+            raise ValueError(f"radixd connector: radixd's pool is on {where}, vLLM's KV on {self.device}")
         self.views = [cpu_views(kv, self.geo, k, v, first) for kv, _, k, v, _, first, _ in self.plan]
 
     def _remap(self, instance: str) -> None:
@@ -1163,7 +1166,7 @@ class _Worker:
         full, swa = h["full_layers"], h["swa_layers"]
         numbers = _numbers(names)
         shares = {}
-        for pool, kind, what in ((self.pools.device[0], full, "full-attention "),
+        for pool, kind, what in ((self.pools.device[0] if full else None, full, "full-attention "),
                                  (self.pools.swa, swa, "sliding-window ")):
             mine = [kind.index(n) for n in numbers if n in kind]
             if mine:
@@ -1283,7 +1286,7 @@ class _Worker:
             kept = [(b, p) for b, p in zip(groups[g], src) if b != 0 and p >= 0] if swa else list(zip(groups[g], src))
             if kept:
                 b, p = zip(*kept)
-                out[(g, swa)] = _Pairs(b, p, self.layers[0].device, self.geo.block_size)
+                out[(g, swa)] = _Pairs(b, p, self.device, self.geo.block_size)
         return out
 
     def _each_layer(self, pairs: dict, load: bool) -> None:
