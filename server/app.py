@@ -10,6 +10,7 @@ import socket
 import stat
 import uuid
 import zlib
+from typing import Optional
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -205,10 +206,62 @@ def build_hybrid_core(cfg: Config, instance_id: str, backend: str) -> CacheCore:
             # (a hybrid host tier is write-back unless write_through is asked for: the plain tier's default is not)
             write_through="write_policy" in getattr(cfg, "_origin", {}) and cfg.write_policy == "write_through")
         _step("host_pool")
-    return HybridCore(tree, SlotAllocator(cfg.num_slots, cfg.page_size), instance_id, full_pools,
+    core = HybridCore(tree, SlotAllocator(cfg.num_slots, cfg.page_size), instance_id, full_pools,
                       swa=SwaTranslation(cfg.num_slots, swa_spec.num_slots, cfg.page_size) if swa_spec else None,
                       swa_pool=swa_pool, states=SlotAllocator(cfg.mamba_states) if state_pool else None,
                       state_pool=state_pool, layout=lay, max_batch_tokens=cfg.num_slots, host_tier=host_tier)
+    if cfg.storage:
+        try:
+            attach_component_storage(cfg, core, spec, swa_spec)
+        except BaseException:
+            if core.storage is not None:
+                core.storage.close()
+            for p in core.all_pools():
+                p.close()
+            raise
+        _step("storage")
+    return core
+
+
+def attach_component_storage(cfg: Config, core: CacheCore, spec: Optional[PoolSpec],
+                             swa_spec: Optional[PoolSpec]) -> None:
+    """A hybrid model's L3 tier: one store per component (FULL pages, SWA pages, states) on the URL given, each
+    under a format tag of its own."""
+    import hashlib
+
+    from .storage import format_tag, open_store
+    from .storage.components import ComponentStorage
+    where = source_of(cfg, "storage")
+    host = core.host_tier
+    if host is None:
+        raise StartupError(f"{where} {cfg.storage}: L3 needs the host tier (give --host-slots, --host-mem or "
+                           "--host-ratio)")
+    lay = cfg._layout
+    sizes, fmts = {}, {}
+    if spec is not None:
+        sizes["full"], fmts["full"] = spec.slot_bytes * spec.page_size, format_tag(spec, cfg.model_id)
+    if swa_spec is not None:
+        sizes["swa"] = swa_spec.slot_bytes * swa_spec.page_size
+        fmts["swa"] = format_tag(swa_spec, f"{cfg.model_id}|component=swa|window={lay.window}")
+    if lay.state_layers:
+        sizes["mamba"] = lay.state_bytes()
+        what = f"model={cfg.model_id}|state={lay.state}|layers={len(lay.state_layers)}|object=state-v1"
+        fmts["mamba"] = hashlib.sha256(what.encode()).hexdigest()[:16]
+    stores = {}
+    try:
+        for kind, size in sizes.items():
+            stores[kind] = open_store(cfg.storage, size)
+    except ValueError as e:
+        for st in stores.values():
+            st.close()
+        raise StartupError(f"{where}: {e}") from None
+    core.storage = host.storage = ComponentStorage(stores, host, fmts, cfg.prefetch_threshold, cfg.prefetch_policy,
+                                                   cfg.prefetch_timeout_ms)
+    core.storage_format = ",".join(f"{k}:{v}" for k, v in fmts.items())
+    log.info("storage %s formats %s", core.storage.store.describe(), core.storage_format)
+    if not cfg.model_id:
+        log.warning("storage without --model-id: servers of different models with the same KV geometry would "
+                    "share pages; name the model")
 
 
 def build_core(cfg: Config, instance_id: str) -> CacheCore:

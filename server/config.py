@@ -318,9 +318,11 @@ NO_FULL_SWA_RATIO = 0.125  # every layer sliding: the tree's keys (no KV) may re
 def _check_hybrid(cfg: Config, origin: dict[str, str]) -> None:
     """What the hybrid cache does not have yet is refused at start, in one line."""
     src = origin["hybrid_cache"]
-    for name, on in (("storage", cfg.storage), ("bigram", cfg.bigram)):
-        if on:
-            raise ConfigError(f"{src} and {origin[name]}: a hybrid model has no L3 tier and no bigram keys yet")
+    if cfg.bigram:
+        raise ConfigError(f"{src} and {origin['bigram']}: a hybrid model has no bigram keys yet")
+    if cfg.storage and cfg.storage_write_policy != "write_through":
+        raise ConfigError(f"{src} and {origin['storage_write_policy']}: a hybrid model's L3 tier is written as its "
+                          "host tier takes each prefix (write_through)")
     if "write_policy" in origin and cfg.write_policy not in ("write_back", "write_through"):
         raise ConfigError(f"{src} and {origin['write_policy']}: a hybrid model's host tier copies what the device "
                           "evicts (write_back) or every prefix at once (write_through); it has no selective policy")

@@ -144,6 +144,7 @@ class HybridHostTier(HybridShelf):
                  load_back_threshold: int = 0, write_through: bool = False):
         self.tree, self.alloc, self.kv_pool = tree, alloc, kv_pool
         self.write_through = write_through
+        self.storage = None  # the L3 tier behind this one (server/storage/components.py), with --storage
         self.swa, self.swa_pool = swa, swa_pool
         self.states, self.state_pool = states, state_pool
         self.threshold = load_back_threshold
@@ -212,6 +213,8 @@ class HybridHostTier(HybridShelf):
         if self.tree.mamba is not None:
             state = int(self.states.alloc(1, TRANSIT)[0])
             copy_states(dev.state_pool, np.array([v.mamba]), self.state_pool, np.array([state]))
+        if self.storage is not None:  # (the bytes are copied now: the slots may go before the write ends)
+            self.storage.backup(v.ns, v.key, start, floor, new, state)
         slots = np.concatenate([np.full(start, -1, np.int64), new])
         r = self.tree.insert(v.key, slots, prev_prefix_len=start, swa_evicted_seqlen=floor if self.swa else 0,
                              mamba_value=state, namespace=v.ns)
@@ -297,14 +300,16 @@ class HybridHostTier(HybridShelf):
 
     def check(self) -> list[str]:
         bad = self.check_pools("host")
+        fetching = self.storage.in_flight if self.storage is not None else {"full": 0, "swa": 0, "states": 0}
         if self.swa is not None:
             bad += [f"host swa: {v}" for v in self.swa.check()]
             p = self.alloc.page_size
             pages = np.unique(self.tree.held()[SWA] // p)
             if pages.size and (self.swa.map[pages] < 0).any():
                 bad.append("host: a page the host tree holds SWA KV for has no SWA page")
-            if self.swa.free_slots + pages.size * p != self.swa.swa_capacity:
-                bad.append("host SWA free + tree != capacity")
-        if self.alloc.counts[HELD] or (self.states is not None and self.states.counts[HELD]):
-            bad.append("host: slots held outside the tree (a copy that never landed)")
+            if self.swa.free_slots + pages.size * p + fetching["swa"] != self.swa.swa_capacity:
+                bad.append("host SWA free + tree + fetching != capacity")
+        if self.alloc.counts[HELD] != fetching["full"] or \
+                (self.states is not None and self.states.counts[HELD] != fetching["states"]):
+            bad.append("host: slots held outside the tree and L3 fetches (a copy that never landed)")
         return bad

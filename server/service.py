@@ -222,6 +222,9 @@ class RadixCacheService(pb_grpc.RadixCacheServicer):
     async def MatchPrefix(self, request):
         s = self.core.session(request.session_id) if request.session_id else None
         if self.hybrid:
+            if self.core.storage is not None:  # what L3 restores beyond both tiers first (as the policy waits)
+                await self.core.storage.fetch([(token_key(it.tokens, i), (it.extra_key, it.cache_salt))
+                                               for i, it in enumerate(request.items)], self.core)
             return self._match_hybrid(request, s)
         resp = pb.MatchResponse()
         add = resp.results.add  # filled in place: a list of messages would be copied once more, slots and all
@@ -312,6 +315,9 @@ class RadixCacheService(pb_grpc.RadixCacheServicer):
     async def WaitTransfers(self, request):
         host = self.core.host
         ids = list(request.transfer_ids)
+        if host is None and self.hybrid and request.storage and not ids and self.core.storage is not None:
+            idle = await self.core.storage.idle(request.timeout_ms / 1000.0 if request.timeout_ms else 0)
+            return pb.WaitTransfersResponse(storage_idle=idle)  # (a hybrid model's copies are synchronous)
         if host is None:
             raise Conflict("the host tier is off: there are no transfers")
         unknown = [i for i in ids if host.engine.get(i) is None]
