@@ -35,7 +35,7 @@ from ..tree.components import MAMBA, SWA
 from ..tree.tree import as_int32
 from .base import Store, StoreError
 from .keys import page_keys
-from .tier import PREFETCH_POLICIES
+from .tier import PREFETCH_POLICIES, Traffic
 
 log = logging.getLogger("radixd.storage")
 
@@ -43,7 +43,7 @@ FULL = "full"
 KINDS = (FULL, SWA, MAMBA)
 
 
-class ComponentStorage:
+class ComponentStorage(Traffic):
     """Host tier <-> store traffic of a hybrid model: writes behind the host tier, prefetches before a match."""
 
     def __init__(self, stores: dict[str, Store], host: Any, fmts: dict[str, str], prefetch_threshold: int = 256,
@@ -65,8 +65,6 @@ class ComponentStorage:
         self._puts = 0  # write batches queued or running
         self.prefetches: dict[tuple, asyncio.Task] = {}  # (namespace, key) -> its fetch
         self.in_flight: Counter = Counter()  # host slots fetches hold until their insert: "full", "swa", "states"
-        self._down_until = 0.0
-        self._backoff = 0.0
         self.errors: Counter = Counter()
         self.outcomes: Counter = Counter()
         self.bytes = {"put": 0, "get": 0}
@@ -76,18 +74,6 @@ class ComponentStorage:
         self.observe: Optional[Callable[[str, float], None]] = None  # (call, seconds) for the latency histogram
 
     # ------------------------------------------------------------- the store
-    @property
-    def available(self) -> bool:
-        """False while backing off after a failure."""
-        return time.monotonic() >= self._down_until
-
-    def _failed(self, kind: str, msg: str) -> None:
-        self.errors[kind] += 1
-        if not self._backoff:
-            log.warning("storage %s failed (%s): %s; backing off", self.store.describe(), kind, msg)
-        self._backoff = min(max(self._backoff * 2, 0.5), 8.0)
-        self._down_until = time.monotonic() + self._backoff
-
     def _timed(self, what: str, fn: Callable, *args) -> Any:
         """One store call on an I/O thread; any failure is a StoreError (counted by the caller)."""
         t0 = time.perf_counter()
@@ -305,14 +291,6 @@ class ComponentStorage:
     def busy(self) -> bool:
         """Any store traffic queued or running."""
         return bool(self.prefetches or self._puts)
-
-    async def idle(self, timeout: float) -> bool:
-        """Wait up to timeout for every write and prefetch to end; True if none is left."""
-        try:
-            await asyncio.wait_for(self.drain(), timeout)
-        except asyncio.TimeoutError:
-            pass
-        return not self.busy
 
     async def drain(self) -> None:
         """Wait for every write and prefetch (shutdown)."""

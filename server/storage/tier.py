@@ -70,7 +70,43 @@ class Joined:
         return self.op.done
 
 
-class StorageTier:
+class Traffic:
+    """What every L3 tier shares: the back-off after a store failure, and waiting for its traffic to end."""
+
+    store: Store
+    errors: Counter
+    _down_until = 0.0
+    _backoff = 0.0
+
+    @property
+    def available(self) -> bool:
+        """False while backing off after a failure."""
+        return time.monotonic() >= self._down_until
+
+    def _failed(self, kind: str, msg: str) -> None:
+        self.errors[kind] += 1
+        if not self._backoff:
+            log.warning("storage %s failed (%s): %s; backing off", self.store.describe(), kind, msg)
+        self._backoff = min(max(self._backoff * 2, 0.5), 8.0)
+        self._down_until = time.monotonic() + self._backoff
+
+    @property
+    def busy(self) -> bool:
+        raise NotImplementedError
+
+    async def drain(self) -> None:
+        raise NotImplementedError
+
+    async def idle(self, timeout: float) -> bool:
+        """Wait up to timeout for every queued write and running prefetch to end; True if none is left."""
+        try:
+            await asyncio.wait_for(self.drain(), timeout)
+        except asyncio.TimeoutError:
+            pass
+        return not self.busy
+
+
+class StorageTier(Traffic):
     """Host <-> store traffic for one server: batched backups, deduplicated prefetches, counters."""
 
     def __init__(self, store: Store, host: Any, fmt: str, write_policy: str = "write_through",
@@ -109,11 +145,6 @@ class StorageTier:
         self.on_change: Optional[Callable[[], None]] = None  # tree changed outside an RPC (events flush)
 
     # ------------------------------------------------------------- the store
-    @property
-    def available(self) -> bool:
-        """False while backing off after a failure."""
-        return time.monotonic() >= self._down_until
-
     async def _call(self, pool: ThreadPoolExecutor, what: str, fn: Callable, *args) -> Any:
         """Run one store call on an I/O thread; a StoreError (or any crash of the client) starts a back-off."""
         t0 = time.perf_counter()
@@ -131,13 +162,6 @@ class StorageTier:
             log.info("storage %s answers again", self.store.describe())
         self._backoff = 0.0
         return out
-
-    def _failed(self, kind: str, msg: str) -> None:
-        self.errors[kind] += 1
-        if not self._backoff:
-            log.warning("storage %s failed (%s): %s; backing off", self.store.describe(), kind, msg)
-        self._backoff = min(max(self._backoff * 2, 0.5), 8.0)
-        self._down_until = time.monotonic() + self._backoff
 
     def _view(self, slots: np.ndarray) -> list[np.ndarray]:
         """Contiguous uint8 views (page_first) or gathered copies (layer_first) of the pages of slots."""
@@ -364,14 +388,6 @@ class StorageTier:
     def busy(self) -> bool:
         """Any store traffic queued or running."""
         return bool(self.prefetches or self._puts or (self._put_task is not None and not self._put_task.done()))
-
-    async def idle(self, timeout: float) -> bool:
-        """Wait up to timeout for every queued write and running prefetch to end; True if none is left."""
-        try:
-            await asyncio.wait_for(self.drain(), timeout)
-        except asyncio.TimeoutError:
-            pass
-        return not self.busy
 
     async def drain(self) -> None:
         """Wait for every queued write and running prefetch (shutdown)."""
