@@ -210,6 +210,8 @@ def build_hybrid_core(cfg: Config, instance_id: str, backend: str) -> CacheCore:
                       swa=SwaTranslation(cfg.num_slots, swa_spec.num_slots, cfg.page_size) if swa_spec else None,
                       swa_pool=swa_pool, states=SlotAllocator(cfg.mamba_states) if state_pool else None,
                       state_pool=state_pool, layout=lay, max_batch_tokens=cfg.num_slots, host_tier=host_tier)
+    if host_tier is not None:
+        host_tier.prepare(core)
     if cfg.storage:
         try:
             attach_component_storage(cfg, core, spec, swa_spec)

@@ -172,6 +172,14 @@ class HybridHostTier(HybridShelf):
             except Exhausted:
                 self.skipped += 1
 
+    def prepare(self, dev: HybridShelf) -> None:
+        """Build the page copiers both ways at start: the first demotion or load-back (or L3 fetch) must not import
+        or set up inside an RPC (torch's import alone took over a second)."""
+        for a, b in ((dev.device_pools[0] if dev.device_pools else None, self.kv_pool), (dev.swa_pool, self.swa_pool)):
+            if a is not None and b is not None:
+                for src, dst in ((a, b), (b, a)):
+                    self._copiers[(id(src), id(dst))] = copier_for(src, dst)
+
     def back_up(self, tokens: TokenInput, ns: Namespace, dev: HybridShelf) -> None:
         """write_through: copy what the device serves of tokens' prefix now (every component, as a demotion
         does); best effort, as a demotion."""

@@ -803,3 +803,36 @@ def test_a_model_without_full_attention_is_served_on_the_trees_keys(arch, page):
             _settled(c)
     finally:
         srv.stop()
+
+
+@needs_vllm
+def test_a_hybrid_prefix_one_engine_prefilled_on_server_a_is_a_hit_for_an_engine_on_server_b(nemotron_dir, tmp_path):
+    """Two radixd servers sharing an L3 store (a directory): engine A's prefill of P on server A (FULL KV and the
+    Mamba2 states) reaches the store once A's device evicts it to its host tier; engine B on cold server B hits
+    all 192 tokens (server B fetches the FULL pages and the state at 192 from the store, then loads them back) and
+    generates what an engine without a connector does."""
+    model = nemotron_dir
+    reference = _engine(model, [P + SUFFIX])
+    store = f"file://{tmp_path / 'l3'}"
+    args = ("--num-slots", "8192", "--page-size", "64", "--model-config", os.path.join(model, "config.json"),
+            "--hybrid-cache", "--mamba-states", "32", "--host-slots", "2048", "--storage", store, "--model-id", "nh",
+            "--prefetch-policy", "wait_complete", "--prefetch-threshold", "64")
+    hybrid = ("--hybrid",)
+    a = ServerProc(*args)
+    try:
+        with CacheClient(a.target, name="test") as c:
+            _engine(model, [P], a.target, extra=hybrid)
+            _settled(c)
+            c.evict_hybrid(1 << 20)
+            assert c.wait_storage() and c.stats()["storage_put_pages_total"] > 0
+        b = ServerProc(*args)
+        try:
+            with CacheClient(b.target, name="test") as c:
+                got = _engine(model, [P + SUFFIX], b.target, extra=hybrid)  # (the default 200 ms lookup deadline)
+                assert got[0]["cached"] == 192 and got[0]["tokens"] == reference[0]["tokens"]
+                s = _settled(c)
+                assert s["storage_hit_tokens_total"] == 192 and s["load_back_tokens_total"] == 192, s
+        finally:
+            b.stop()
+    finally:
+        a.stop()
