@@ -188,23 +188,26 @@ def build_hybrid_core(cfg: Config, instance_id: str, backend: str) -> CacheCore:
     chunk = cfg.mamba_chunk if lay.state_layers else None
     events = bool(cfg.kv_events or cfg.kv_events_endpoint or cfg.kv_events_replay_endpoint)
     full_kv = bool(lay.full_layers)
+    # a hybrid host tier is write-back unless a write-through policy is asked for (the plain tier's default is not)
+    policy = cfg.write_policy if host_slots and "write_policy" in getattr(cfg, "_origin", {}) else "write_back"
+    threshold = None if policy == "write_back" else cfg.write_through_threshold or (
+        1 if policy == "write_through" else 2)
     tree = HybridTree(cfg.page_size, window=window, mamba_chunk=chunk, events=events, victims=bool(host_slots),
-                      full_kv=full_kv)
+                      full_kv=full_kv, write_through_threshold=threshold)
     full_pools = pools[:1] if spec is not None else []
     swa_pool = pools[len(full_pools)] if swa_spec is not None else None
     state_pool = pools[len(full_pools) + (swa_spec is not None)] if lay.state_layers else None
     host_tier = None
     if host_slots:
         host_tier = HybridHostTier(
-            HybridTree(cfg.page_size, window=window, mamba_chunk=chunk, events=events, medium=CPU, full_kv=full_kv),
+            HybridTree(cfg.page_size, window=window, mamba_chunk=chunk, events=events, medium=CPU, full_kv=full_kv,
+                       victims=bool(cfg.storage) and cfg.storage_write_policy == "write_back"),
             SlotAllocator(host_slots, cfg.page_size),
             host_pools[0] if spec is not None else None,
             swa=SwaTranslation(host_slots, host_swa, cfg.page_size) if swa_spec else None,
             swa_pool=host_pools[int(spec is not None)] if swa_spec is not None else None,
             states=SlotAllocator(host_states) if host_states else None,
-            state_pool=host_pools[-1] if host_states else None, load_back_threshold=cfg.load_back_threshold,
-            # (a hybrid host tier is write-back unless write_through is asked for: the plain tier's default is not)
-            write_through="write_policy" in getattr(cfg, "_origin", {}) and cfg.write_policy == "write_through")
+            state_pool=host_pools[-1] if host_states else None, load_back_threshold=cfg.load_back_threshold)
         _step("host_pool")
     core = HybridCore(tree, SlotAllocator(cfg.num_slots, cfg.page_size), instance_id, full_pools,
                       swa=SwaTranslation(cfg.num_slots, swa_spec.num_slots, cfg.page_size) if swa_spec else None,
@@ -258,7 +261,7 @@ def attach_component_storage(cfg: Config, core: CacheCore, spec: Optional[PoolSp
             st.close()
         raise StartupError(f"{where}: {e}") from None
     core.storage = host.storage = ComponentStorage(stores, host, fmts, cfg.prefetch_threshold, cfg.prefetch_policy,
-                                                   cfg.prefetch_timeout_ms)
+                                                   cfg.prefetch_timeout_ms, cfg.storage_write_policy)
     core.storage_format = ",".join(f"{k}:{v}" for k, v in fmts.items())
     log.info("storage %s formats %s", core.storage.store.describe(), core.storage_format)
     if not cfg.model_id:

@@ -320,12 +320,6 @@ def _check_hybrid(cfg: Config, origin: dict[str, str]) -> None:
     src = origin["hybrid_cache"]
     if cfg.bigram:
         raise ConfigError(f"{src} and {origin['bigram']}: a hybrid model has no bigram keys yet")
-    if cfg.storage and cfg.storage_write_policy != "write_through":
-        raise ConfigError(f"{src} and {origin['storage_write_policy']}: a hybrid model's L3 tier is written as its "
-                          "host tier takes each prefix (write_through)")
-    if "write_policy" in origin and cfg.write_policy not in ("write_back", "write_through"):
-        raise ConfigError(f"{src} and {origin['write_policy']}: a hybrid model's host tier copies what the device "
-                          "evicts (write_back) or every prefix at once (write_through); it has no selective policy")
     lay = cfg._layout
     if not lay.full_layers and lay.swa_layers and "swa_ratio" not in origin:
         cfg.swa_ratio = NO_FULL_SWA_RATIO

@@ -183,7 +183,7 @@ class HybridCore(HybridShelf, CacheCore):
                 self.state_pool.copy(np.array([donated]), fork)
                 donated = int(fork[0])
         r = self.tree.insert(it.tokens[:n], keyed, prev_prefix_len=it.prev_prefix_len, namespace=it.ns,
-                             swa_evicted_seqlen=it.swa_evicted_seqlen, mamba_value=donated)
+                             swa_evicted_seqlen=it.swa_evicted_seqlen, mamba_value=donated, count_hit=not chunked)
         freed = r.frees.full_slots()
         self._apply(r.frees)
         fresh = keyed[it.prev_prefix_len:]
@@ -195,8 +195,8 @@ class HybridCore(HybridShelf, CacheCore):
                 self.states.move(d, HELD, FREE, s.owner, check=False)
             else:
                 self.states.move(d, HELD, TREE, s.owner, check=False)
-        if self.host_tier is not None and self.host_tier.write_through:
-            self.host_tier.back_up(it.tokens[:n], it.ns, self)
+        if r.backup_len and self.host_tier is not None:  # (write_through: every prefix; selective: a hot one)
+            self.host_tier.back_up(it.tokens[:r.backup_len], it.ns, self)
         out = InsertOutcome(r.prefix_len, r.node_id, int(freed.size), int(fresh.size))
         out.mamba_exist = r.mamba_exist
         return out, it.indices[n:]

@@ -10,7 +10,9 @@ hybrid tree over shared-memory pools of the same geometry, used as a victim cach
     (`swa_evicted_seqlen` below the run, `mamba_value` the copied state), so the host matches exactly where
     the copy can serve;
   * write-through (`--write-policy write_through`): every prefix the device tree takes is copied down the same
-    way at once, so a later device eviction finds the host already holding it;
+    way at once, so a later device eviction finds the host already holding it; `write_through_selective` copies
+    a prefix once inserts have walked it `--write-through-threshold` times (2 by default: a shared prefix), the
+    device tree counting (SPEC R1.3);
   * load back (R5.10): a match whose host prefix is longer than its device prefix copies the difference back
     (FULL KV, the SWA KV of the last window only, the state at the host match end) and inserts it into the
     device tree, inside the same MatchPrefix: hybrid clients see a deeper device hit and nothing else. The
@@ -141,9 +143,8 @@ class HybridHostTier(HybridShelf):
 
     def __init__(self, tree: HybridTree, alloc: SlotAllocator, kv_pool: Any, swa: Optional[SwaTranslation] = None,
                  swa_pool: Any = None, states: Optional[SlotAllocator] = None, state_pool: Any = None,
-                 load_back_threshold: int = 0, write_through: bool = False):
+                 load_back_threshold: int = 0):
         self.tree, self.alloc, self.kv_pool = tree, alloc, kv_pool
-        self.write_through = write_through
         self.storage = None  # the L3 tier behind this one (server/storage/components.py), with --storage
         self.swa, self.swa_pool = swa, swa_pool
         self.states, self.state_pool = states, state_pool
@@ -181,8 +182,8 @@ class HybridHostTier(HybridShelf):
                     self._copiers[(id(src), id(dst))] = copier_for(src, dst)
 
     def back_up(self, tokens: TokenInput, ns: Namespace, dev: HybridShelf) -> None:
-        """write_through: copy what the device serves of tokens' prefix now (every component, as a demotion
-        does); best effort, as a demotion."""
+        """write_through(_selective): copy what the device serves of tokens' prefix now (every component, as a
+        demotion does); best effort, as a demotion."""
         m = dev.tree.match_prefix(tokens, ns)
         if not m.matched_len or (self.tree.mamba is not None and m.mamba_src < 0):
             return
@@ -221,8 +222,8 @@ class HybridHostTier(HybridShelf):
         if self.tree.mamba is not None:
             state = int(self.states.alloc(1, TRANSIT)[0])
             copy_states(dev.state_pool, np.array([v.mamba]), self.state_pool, np.array([state]))
-        if self.storage is not None:  # (the bytes are copied now: the slots may go before the write ends)
-            self.storage.backup(v.ns, v.key, start, floor, new, state)
+        if self.storage is not None and not self.storage.write_back:  # (the bytes are copied now: the slots may go
+            self.storage.backup(v.ns, v.key, start, floor, new, state)  # before the write ends)
         slots = np.concatenate([np.full(start, -1, np.int64), new])
         r = self.tree.insert(v.key, slots, prev_prefix_len=start, swa_evicted_seqlen=floor if self.swa else 0,
                              mamba_value=state, namespace=v.ns)
@@ -264,7 +265,7 @@ class HybridHostTier(HybridShelf):
                 copy_states(self.state_pool, np.array([hm.mamba_src]), dev.state_pool, np.array([state]))
             r = dev.tree.insert(as_int32(tokens)[:hl], np.concatenate([dm.indices, new]), prev_prefix_len=d,
                                 swa_evicted_seqlen=floor if self.swa is not None else 0, mamba_value=state,
-                                namespace=ns)
+                                namespace=ns, count_hit=False)
             dev._apply(r.frees)
             dev._adopt(new, state, r.mamba_exist)
         except Exhausted:
@@ -274,6 +275,18 @@ class HybridHostTier(HybridShelf):
             self.tree.unlock(hr)
         self.loaded_tokens += hl - d
         return hl - d
+
+    def _evict(self, full: int = 0, swa: int = 0, mamba: int = 0):
+        """An eviction of the host tree; on a write-back L3 tier (its tree then reports victims), each prefix it
+        deletes goes to the store first: the leaf's own FULL pages, the SWA window that ends there, its state."""
+        r = self.tree.evict(full, swa, mamba)
+        if self.storage is not None and self.storage.write_back:
+            for v in r.victims:
+                end = len(v.full)
+                start = min(end - v.own, v.swa_floor if self.swa is not None else end)
+                self.storage.backup(v.ns, v.key, start, v.swa_floor, v.full[start:], v.mamba)
+        self._apply(r.frees)
+        return r
 
     # ---------------------------------------------------------------- whole tier
     def evict(self, tokens: int) -> int:

@@ -282,6 +282,11 @@ class WriteThroughHostMachine(HostTierMachine):
     HOST = dict(HostTierMachine.HOST, write_policy="write_through")
 
 
+class SelectiveHostMachine(HostTierMachine):
+    """A prefix is copied to the host once inserts have walked it twice (write_through_selective)."""
+    HOST = dict(HostTierMachine.HOST, write_policy="write_through_selective")
+
+
 class StorageMachine(HostTierMachine):
     """An L3 store (a directory) behind the host tier: what the host takes is written there, and before each match
     the store's deeper prefix is fetched into the host (wait_complete); every hit is still checked value by value,
@@ -300,28 +305,35 @@ class StorageMachine(HostTierMachine):
 
     @invariant()
     def fetched(self):
-        _STORED.append(self.core.storage.hit_tokens)
+        _STORED[type(self).__name__] = max(_STORED.get(type(self).__name__, 0), self.core.storage.hit_tokens)
 
 
 class SwaMambaStorageMachine(StorageMachine):
     COMPONENTS = "SM"
 
 
-_STORED: list[int] = []
+class WriteBackStorageMachine(StorageMachine):
+    """The store takes a prefix only when the host tier evicts it (storage write_back)."""
+    HOST = dict(StorageMachine.HOST, storage_write_policy="write_back")
 
 
-for _m in (SwaOnlyHostMachine, MambaOnlyHostMachine, WriteThroughHostMachine, StorageMachine,
-           SwaMambaStorageMachine):
+_STORED: dict[str, int] = {}  # machine -> the most tokens one run restored from the store
+
+
+for _m in (SwaOnlyHostMachine, MambaOnlyHostMachine, WriteThroughHostMachine, SelectiveHostMachine, StorageMachine,
+           SwaMambaStorageMachine, WriteBackStorageMachine):
     _m.TestCase.settings = settings(max_examples=40, stateful_step_count=60, deadline=None, derandomize=True,
                                     suppress_health_check=[HealthCheck.too_slow])
 TestSwaOnlyHost, TestMambaOnlyHost = SwaOnlyHostMachine.TestCase, MambaOnlyHostMachine.TestCase
-TestWriteThroughHost = WriteThroughHostMachine.TestCase
+TestWriteThroughHost, TestSelectiveHost = WriteThroughHostMachine.TestCase, SelectiveHostMachine.TestCase
 TestStorage, TestSwaMambaStorage = StorageMachine.TestCase, SwaMambaStorageMachine.TestCase
+TestWriteBackStorage = WriteBackStorageMachine.TestCase
 
 
 def test_the_storage_machines_restored_prefixes_from_l3():
     """The machines above are not vacuous: their runs served hits from the store (they run first, by file order)."""
-    assert _STORED and max(_STORED) > 0
+    assert set(_STORED) == {"StorageMachine", "SwaMambaStorageMachine", "WriteBackStorageMachine"}, _STORED
+    assert min(_STORED.values()) > 0, _STORED
 
 
 def test_the_host_tier_machine_loaded_back():

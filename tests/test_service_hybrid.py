@@ -285,6 +285,38 @@ def test_a_write_through_host_tier_copies_every_prefix_at_once_and_serves_it_und
         s.stop()
 
 
+@pytest.mark.parametrize("components", ["FSM", "S", "M"])
+def test_a_selective_write_through_host_tier_copies_a_prefix_once_it_is_cached_again(tmp_path, components):
+    """--write-policy write_through_selective (threshold 2): a prompt cached once stays on the device only; cached
+    a second time (a hit whose request finished), it is copied to the host, every component, and loads back
+    after the device is emptied; then the workload on a small device, pools conserved."""
+    args = ["--num-slots", "384", "--page-size", str(PAGE), "--model-config",
+            _config(tmp_path, COMPONENT_SETS[components]), "--hybrid-cache", "--swa-ratio", "0.5",
+            "--mamba-states", "10", "--host-slots", "1536", "--load-back-threshold", "0",
+            "--write-policy", "write_through_selective"]
+    s = ServerProc(*args)
+    try:
+        with CacheClient(s.target, name="wts") as c:
+            state = "M" in components
+            tokens = np.arange(100, 132, dtype=np.int32)
+            for turn in range(2):
+                m = c.match_hybrid([tokens])[0]
+                a = c.alloc_hybrid([32 - m.matched_len], mamba_states=1 if state else 0)
+                c.cache_finished([dict(tokens=tokens, indices=np.concatenate([m.indices, a.full[0]]),
+                                       prev_prefix_len=m.matched_len,
+                                       **(dict(mamba_value=int(a.states[0])) if state else {}))])
+                st = c.stats()
+                assert st["host_cached_tokens"] == 32 * turn and st["backup_tokens_total"] == 32 * turn, (turn, st)
+                assert c.check() == []
+            c.evict_hybrid(1 << 20)
+            assert c.match_hybrid([tokens])[0].matched_len == 32  # loaded back from the host
+            assert c.stats()["load_back_tokens_total"] == 32
+        st = _workload(s, host=True, components=components)
+        assert st["backup_tokens_total"] > 0, st
+    finally:
+        s.stop()
+
+
 def _workload(server, host: bool = False, components: str = "FSM") -> dict:
     rng = np.random.default_rng(11)
     e = Engine(server.target)

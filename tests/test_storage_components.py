@@ -141,3 +141,40 @@ def test_another_models_objects_are_never_read(tmp_path):
     finally:
         b.stop()
         a.stop()
+
+
+@pytest.mark.parametrize("components", ["FSM", "S", "M"])
+def test_a_write_back_store_takes_a_hybrid_prefix_when_the_host_evicts_it(tmp_path, components):
+    """--storage-write-policy write_back: the host tier taking a prefix writes nothing; its eviction from the host
+    writes every component (each leaf's own pages, the window ending there, its state), and cold server B then hits
+    every prompt restored byte-exact."""
+    url = f"file://{tmp_path / 'l3'}"
+    wb = ("--storage-write-policy", "write_back", "--prefetch-policy", "wait_complete")
+    a = _server(tmp_path, components, url, *wb)
+    try:
+        e = Engine(a.target)
+        for t in PROMPTS:
+            e.finish(e.start(t, rng))
+        e.c.evict_hybrid(1 << 20)
+        assert e.c.wait_storage()
+        st = e.c.stats()
+        assert st["host_cached_tokens"] >= ALIGNED and st["storage_put_pages_total"] == 0, st
+        e.ok()
+        assert e.c.evict_host(1 << 20) >= ALIGNED
+        assert e.c.wait_storage()
+        st = e.c.stats()
+        assert st["host_cached_tokens"] == 0 and st["storage_put_pages_total"] > 0, st
+        assert st["storage_errors_total"] == 0
+        e.ok()
+        e.close()
+        b = _server(tmp_path, components, url, *wb)
+        try:
+            e = _hits_on_b(b, components)
+            st = e.c.stats()
+            assert st["storage_hit_tokens_total"] == ALIGNED and st["load_back_tokens_total"] == ALIGNED, st
+            assert e.checked["state"] == (len(PROMPTS) if "M" in components else 0)
+            e.close()
+        finally:
+            b.stop()
+    finally:
+        a.stop()

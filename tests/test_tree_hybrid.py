@@ -259,3 +259,21 @@ def test_an_insert_that_ends_or_turns_inside_an_edge_continues_on_the_prefix():
     m = t.match_prefix(turn)
     assert (m.matched_len, m.mamba_src) == (8, 3) and m.indices.tolist() == [0, 1, 2, 3, 204, 205, 206, 207]
     assert check_hybrid(t) == []
+
+
+@pytest.mark.parametrize("threshold", [1, 2, 3])
+def test_the_write_through_count_names_the_deepest_prefix_walked_often_enough(threshold):
+    """SPEC R1.3 on the hybrid tree: every non-chunked insert counts once on each edge it walks (a new leaf starts
+    at 1, a split's prefix inherits the count), and the insert names the deepest prefix whose count reached the
+    threshold: the whole prompt on write_through, a shared prefix once it is shared on write_through_selective."""
+    t = HybridTree(4, window=8, mamba_chunk=4, write_through_threshold=threshold)
+    system, a, b, c = list(range(1, 9)), [50, 51, 52, 53], [60, 61, 62, 63], [70, 71, 72, 73]
+    got = [t.insert(system + a, np.arange(12), mamba_value=1).backup_len]
+    got.append(t.insert(system + b, np.arange(100, 112), prev_prefix_len=8, mamba_value=2).backup_len)  # splits
+    got.append(t.insert(system + c, np.arange(200, 212), prev_prefix_len=8, mamba_value=3).backup_len)
+    # the system prompt's edge is walked 1, 2, 3 times; each turn's own leaf once
+    assert got == {1: [12, 12, 12], 2: [0, 8, 8], 3: [0, 0, 8]}[threshold]
+    assert t.insert(system + a, np.arange(12), mamba_value=4, count_hit=False).backup_len == 0  # (a load-back)
+    assert check_hybrid(t) == []
+    plain = HybridTree(4, window=8, mamba_chunk=4)  # no host tier: nothing counted, nothing named
+    assert [plain.insert(system + a, np.arange(12), mamba_value=i).backup_len for i in range(3)] == [0, 0, 0]

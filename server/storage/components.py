@@ -6,7 +6,8 @@ that ends where a prefix ends) and one per state (every state layer's conv and t
 each kind under a format tag of its own, so no object is ever read as another model's or another kind's.
   * write: what the host tier takes (a demotion, a write-through) goes to the store behind it, from a copy of the
     bytes made at once (the host slots may be reused before the write ends), on one I/O thread; pages the store
-    already holds are skipped.
+    already holds are skipped. With `--storage-write-policy write_back` a prefix goes when the host tier evicts
+    it instead (the leaf's own pages, the window ending there, its state), as the plain tier does.
   * read: before a match, the store is asked how far the request's prefix can be restored: FULL pages contiguous
     from what the host holds, the SWA window before the end, a state at the end (a Mamba model); the deepest such
     end is fetched into new host slots on I/O threads and inserted into the host tree, whose load-back then brings
@@ -35,7 +36,7 @@ from ..tree.components import MAMBA, SWA
 from ..tree.tree import as_int32
 from .base import Store, StoreError
 from .keys import page_keys
-from .tier import PREFETCH_POLICIES, Traffic
+from .tier import PREFETCH_POLICIES, STORAGE_WRITE_POLICIES, Traffic
 
 log = logging.getLogger("radixd.storage")
 
@@ -47,9 +48,14 @@ class ComponentStorage(Traffic):
     """Host tier <-> store traffic of a hybrid model: writes behind the host tier, prefetches before a match."""
 
     def __init__(self, stores: dict[str, Store], host: Any, fmts: dict[str, str], prefetch_threshold: int = 256,
-                 prefetch_policy: str = "best_effort", prefetch_timeout_ms: int = 1000):
+                 prefetch_policy: str = "best_effort", prefetch_timeout_ms: int = 1000,
+                 write_policy: str = "write_through"):
         if prefetch_policy not in PREFETCH_POLICIES:
             raise ValueError(f"unknown prefetch policy {prefetch_policy!r}")
+        if write_policy not in STORAGE_WRITE_POLICIES:
+            raise ValueError(f"unknown storage write policy {write_policy!r}")
+        # write_back: a prefix goes to the store when the host tier evicts it, not when the host takes it
+        self.write_back = write_policy == "write_back"
         self.stores, self.host, self.fmts = stores, host, fmts
         self.store = next(iter(stores.values()))  # (what GetInfo describes: every kind is on the same URL)
         self.page = host.alloc.page_size
@@ -121,11 +127,11 @@ class ComponentStorage(Traffic):
         if self._full is not None and end > start:
             pages = (full[::p] // p).tolist()
             batch.append((FULL, self._keys(FULL, ns, digs[start // p * 32:end // p * 32]),
-                          [np.ascontiguousarray(self._full[x]).reshape(-1) for x in pages]))
+                          [np.array(self._full[x]).reshape(-1) for x in pages]))  # (copies, never views)
         if self._swa is not None and end > floor:
             twins = (self.host.swa.translate(full[floor - start:])[::p] // p).tolist()
             batch.append((SWA, self._keys(SWA, ns, digs[floor // p * 32:end // p * 32]),
-                          [np.ascontiguousarray(self._swa[x]).reshape(-1) for x in twins]))
+                          [np.array(self._swa[x]).reshape(-1) for x in twins]))
         if state >= 0 and MAMBA in self.stores:
             batch.append((MAMBA, self._keys(MAMBA, ns, digs[end // p * 32 - 32:end // p * 32]),
                           [self._state_bytes(state)]))

@@ -72,7 +72,7 @@ class HNode:
     """One edge of the hybrid tree: packed int32 key, FULL slots, SWA presence, MAMBA state slot, locks."""
 
     __slots__ = ("id", "parent", "children", "key", "full", "swa", "mamba", "lock", "slock", "mlock", "suuid",
-                 "atime", "created", "dig", "n", "ns", "sprev", "snext", "mprev", "mnext")
+                 "atime", "created", "dig", "n", "ns", "sprev", "snext", "mprev", "mnext", "hits")
 
     def __init__(self, node_id: int, parent: Optional["HNode"], key: bytes, full: np.ndarray, tick: float,
                  ns: Namespace = DEFAULT_NS):
@@ -91,6 +91,7 @@ class HNode:
         self.created = tick + 1
         self.dig: Optional[bytes] = None  # page digests (events on), 32 bytes per page
         self.sprev = self.snext = self.mprev = self.mnext = None  # links of the SWA and MAMBA LRU lists
+        self.hits = 0  # inserts that walked this edge (write_through_selective's count, SPEC R1.3)
 
     def __repr__(self) -> str:
         return (f"HNode(id={self.id}, tokens={len(self.key) >> 2}, swa={self.swa}, mamba={self.mamba}, "
@@ -142,6 +143,7 @@ class HybridInsert:
     frees: HybridFrees
     mamba_exist: bool = False  # the end node kept its own state: free the donated one
     swa_branch_inserted: bool = False
+    backup_len: int = 0  # with a write-through threshold: the prefix a host tier should copy now (0: none)
 
 
 @dataclass(slots=True)
@@ -156,6 +158,7 @@ class Victim:
     full: np.ndarray
     swa_floor: int
     mamba: int
+    own: int = 0  # tokens on the leaf's own edge (what its parent, still in the tree, does not hold)
 
 
 @dataclass(slots=True)
@@ -191,13 +194,19 @@ class HybridTree:
 
     def __init__(self, page_size: int = 1, window: Optional[int] = None, mamba_chunk: Optional[int] = None,
                  events: bool = False, mamba_max_states_per_path: int = -1, victims: bool = False,
-                 medium: str = GPU, native: bool = True, full_kv: bool = True):
+                 medium: str = GPU, native: bool = True, full_kv: bool = True,
+                 write_through_threshold: Optional[int] = None):
         if page_size < 1:
             raise ValueError("page_size must be >= 1")
+        if write_through_threshold is not None and write_through_threshold < 1:
+            raise ValueError("write_through_threshold must be >= 1")
+        # inserts that walk a prefix before a host tier copies it down (1: write_through, 2: the selective policy's
+        # default); None counts nothing (write_back, or no host tier)
+        self.write_through_threshold = write_through_threshold
         self.page_size = page_size
         self._pb = page_size * 4
         self._params = (page_size, window, mamba_chunk, events, mamba_max_states_per_path, victims, medium, native,
-                        full_kv)
+                        full_kv, write_through_threshold)
         # False: the model has no full-attention layer; FULL slots are the tree's keys with no KV behind them, so
         # FULL pages are not announced (a router would count them as hits) and the other components number the
         # event groups from 0, as vLLM numbers such a model's KV cache groups
@@ -309,6 +318,7 @@ class HybridTree:
         parent = child.parent
         upper = self._new_node(parent, child.key[:k * 4], child.full[:k])
         upper.lock = child.lock
+        upper.hits = child.hits
         if child.dig is not None:
             cut = k // self.page_size * 32
             upper.dig, child.dig = child.dig[:cut], child.dig[cut:]
@@ -416,9 +426,10 @@ class HybridTree:
     # ------------------------------------------------------------- insert
     def insert(self, tokens: TokenInput, slots, *, prev_prefix_len: int = 0, swa_evicted_seqlen: int = 0,
                mamba_value: int = -1, swa_branching_seqlen: Optional[int] = None,
-               namespace: Namespace = DEFAULT_NS) -> HybridInsert:
+               namespace: Namespace = DEFAULT_NS, count_hit: bool = True) -> HybridInsert:
         """Cache a request's prefix. Positions below prev_prefix_len are the tree's already; below
-        swa_evicted_seqlen the request freed its SWA twins itself; mamba_value is the state it donates."""
+        swa_evicted_seqlen the request freed its SWA twins itself; mamba_value is the state it donates.
+        count_hit=False (a chunk of an unfinished request, a load-back) leaves the write-through counts alone."""
         kb = self._key(tokens)
         n = len(kb) >> 2
         values = np.asarray(slots, dtype=np.int64)
@@ -441,6 +452,8 @@ class HybridTree:
                          swa_branching_seqlen)
         both = frees.both if self.swa is not None else frees.full
         node, off, total, pb = root, 0, 0, self._pb
+        thr = self.write_through_threshold if count_hit else None
+        backup_len = 0
         while off < len(kb):
             child = node.children.get(kb[off:off + pb])
             if child is None:
@@ -464,10 +477,18 @@ class HybridTree:
             node = child
             total += plen
             off += plen * 4
+            if thr is not None:
+                child.hits += 1
+                if child.hits >= thr:
+                    backup_len = total
         new_leaf = off < len(kb)
         if new_leaf:
             target = self._new_node(node, kb[off:], values[total:].copy())
             node.children[kb[off:off + pb]] = target
+            if thr is not None:
+                target.hits = 1
+                if thr <= 1:
+                    backup_len = n
             self.evictable[FULL] += n - total
             self.counters.inserted_tokens += n - total
             if self._ev is not None:
@@ -476,7 +497,7 @@ class HybridTree:
             self._update_leaf(node)
         else:
             target = node
-        result = HybridInsert(total, target.id, frees)
+        result = HybridInsert(total, target.id, frees, backup_len=backup_len)
         for comp in self.aux:
             comp.commit(target, new_leaf, params, result)
         if target is not root:
@@ -571,7 +592,7 @@ class HybridTree:
                 floor -= nd.n
             floor = max(floor, end - self.swa.tail_len)
         full = np.concatenate([nd.full for nd in reversed(path)]) if len(path) > 1 else path[0].full
-        return Victim(path[0].ns, b"".join(nd.key for nd in reversed(path)), full, floor, mamba)
+        return Victim(path[0].ns, b"".join(nd.key for nd in reversed(path)), full, floor, mamba, path[0].n)
 
     def _delete_leaf(self, node: HNode, frees: HybridFrees, tracker: dict) -> None:
         if self._victims is not None:
