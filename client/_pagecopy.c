@@ -5,9 +5,12 @@
  * copying them took some twenty numpy calls, whose dispatch cost more than the bytes. Here the check and every
  * buffer's page rows are one call.
  *
- * copy_pages(plan, src, dst, page, nogil=False) -> bool
+ * copy_pages(plan, src, dst, page, nogil=False, strided=False) -> bool
  *   plan: int64 buffer of (src_addr, src_pages, dst_addr, dst_pages, row_bytes) per buffer pair: a page row p
- *         of a buffer is row_bytes bytes at addr + p * row_bytes (the caller keeps the buffers alive);
+ *         of a buffer is row_bytes bytes at addr + p * row_bytes (the caller keeps the buffers alive); with
+ *         strided, 7 per pair, (src_addr, src_pages, src_stride, dst_addr, dst_pages, dst_stride, row_bytes): row
+ *         p at addr + p * stride (a page_first pool's buffer: its rows a whole page apart); threads > 1 (with
+ *         nogil) splits the rows between that many threads (at most 8);
  *   src, dst: int64 slot vectors of the same length, whole pages in order (page p's slots p*page ... p*page +
  *         page - 1, the pages in any order);
  *   returns False, having copied nothing, unless both are whole pages within every buffer; with nogil, the
@@ -79,13 +82,43 @@ static int whole_pages(const int64_t *s, Py_ssize_t n, int64_t page, int64_t lim
     return 0;
 }
 
+#define MAX_THREADS 8
+
+/* A share of copy_pages' rows: (pair k, page i) for every index k * pages + i congruent to first mod step. */
+typedef struct {
+    const int64_t *plan;
+    int w, sa, ss, da, ds, rb;
+    Py_ssize_t pairs, pages;
+    const int64_t *at, *to;
+    int first, step;
+} RowJob;
+
+static void *row_job(void *arg) {
+    const RowJob *j = arg;
+    Py_ssize_t total = j->pairs * j->pages, per = (total + j->step - 1) / j->step;
+    Py_ssize_t lo = per * j->first, hi = lo + per < total ? lo + per : total;  /* a contiguous block of rows */
+    for (Py_ssize_t x = lo; x < hi; x++) {
+        Py_ssize_t k = x / j->pages, i = x % j->pages;
+        const int64_t *e = j->plan + j->w * k;
+        memcpy((char *)(uintptr_t)e[j->da] + (size_t)j->to[i] * (size_t)e[j->ds],
+               (const char *)(uintptr_t)e[j->sa] + (size_t)j->at[i] * (size_t)e[j->ss], (size_t)e[j->rb]);
+    }
+    return NULL;
+}
+
 static PyObject *copy_pages(PyObject *self, PyObject *args, PyObject *kw) {
-    static char *names[] = {"plan", "src", "dst", "page", "nogil", NULL};
+    static char *names[] = {"plan", "src", "dst", "page", "nogil", "strided", "threads", NULL};
     PyObject *plan_o, *src_o, *dst_o;
-    Py_ssize_t page;
-    int nogil = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOn|p:copy_pages", names, &plan_o, &src_o, &dst_o, &page, &nogil))
+    Py_ssize_t page, threads = 1;
+    int nogil = 0, strided = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOn|ppn:copy_pages", names, &plan_o, &src_o, &dst_o, &page, &nogil,
+                                     &strided, &threads))
         return NULL;
+    if (threads > 1 && !nogil)
+        threads = 1;  /* helper threads only where the caller let the GIL go */
+    const int w = strided ? 7 : 5;  /* int64s per plan entry */
+    const int sa = 0, sp = 1, ss = strided ? 2 : 4, da = strided ? 3 : 2, dp = strided ? 4 : 3,
+              ds = strided ? 5 : 4, rb = strided ? 6 : 4;  /* where each field sits in an entry */
     if (page < 1)
         return PyErr_Format(PyExc_ValueError, "copy_pages: page must be >= 1, got %zd", page);
     Py_buffer v[3];
@@ -95,9 +128,9 @@ static PyObject *copy_pages(PyObject *self, PyObject *args, PyObject *kw) {
     PyObject *result = NULL;
     int64_t *at = NULL;
     const int64_t *p = plan->buf;
-    Py_ssize_t pairs = plan->shape[0] / 5, n = src->shape[0], pages = n / page;
-    if (plan->shape[0] % 5) {
-        PyErr_SetString(PyExc_ValueError, "copy_pages: plan holds 5 int64s per buffer pair");
+    Py_ssize_t pairs = plan->shape[0] / w, n = src->shape[0], pages = n / page;
+    if (plan->shape[0] % w) {
+        PyErr_Format(PyExc_ValueError, "copy_pages: plan holds %d int64s per buffer pair", w);
         goto done;
     }
     if (dst->shape[0] != n || n % page || pairs == 0) {
@@ -106,13 +139,13 @@ static PyObject *copy_pages(PyObject *self, PyObject *args, PyObject *kw) {
     }
     int64_t src_limit = INT64_MAX, dst_limit = INT64_MAX;
     for (Py_ssize_t k = 0; k < pairs; k++) {
-        const int64_t *e = p + 5 * k;
-        if (e[0] == 0 || e[2] == 0 || e[1] < 0 || e[3] < 0 || e[4] <= 0) {
+        const int64_t *e = p + w * k;
+        if (e[sa] == 0 || e[da] == 0 || e[sp] < 0 || e[dp] < 0 || e[rb] <= 0 || e[ss] < e[rb] || e[ds] < e[rb]) {
             PyErr_SetString(PyExc_ValueError, "copy_pages: a plan entry has a null address or a bad size");
             goto done;
         }
-        src_limit = e[1] < src_limit ? e[1] : src_limit;
-        dst_limit = e[3] < dst_limit ? e[3] : dst_limit;
+        src_limit = e[sp] < src_limit ? e[sp] : src_limit;
+        dst_limit = e[dp] < dst_limit ? e[dp] : dst_limit;
     }
     at = PyMem_Malloc(sizeof(int64_t) * (2 * pages + 1));
     if (at == NULL) {
@@ -125,13 +158,22 @@ static PyObject *copy_pages(PyObject *self, PyObject *args, PyObject *kw) {
         goto done;
     }
     PyThreadState *released = nogil ? PyEval_SaveThread() : NULL;
-    for (Py_ssize_t k = 0; k < pairs; k++) {
-        const int64_t *e = p + 5 * k;
-        const char *s = (const char *)(uintptr_t)e[0];
-        char *d = (char *)(uintptr_t)e[2];
-        size_t row = (size_t)e[4];
-        for (Py_ssize_t i = 0; i < pages; i++)
-            memcpy(d + (size_t)to[i] * row, s + (size_t)at[i] * row, row);
+    RowJob jobs[MAX_THREADS];
+    pthread_t tids[MAX_THREADS];
+    int nt = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : (int)threads, started = 0;
+    if ((Py_ssize_t)nt > pairs * pages)
+        nt = 1;
+    for (int t = 0; t < nt; t++) {  /* thread t copies every nt-th row of the (pair, page) sequence */
+        jobs[t] = (RowJob){p, w, sa, ss, da, ds, rb, pairs, pages, at, to, t, nt};
+        if (t > 0 && pthread_create(&tids[t], NULL, row_job, &jobs[t]) == 0)
+            started |= 1 << t;
+    }
+    row_job(&jobs[0]);
+    for (int t = 1; t < nt; t++) {
+        if (started & (1 << t))
+            pthread_join(tids[t], NULL);
+        else
+            row_job(&jobs[t]);  /* (a thread that could not start: its rows here) */
     }
     if (released)
         PyEval_RestoreThread(released);
@@ -500,7 +542,9 @@ static PyTypeObject CopyQueueType = {
 
 static PyMethodDef methods[] = {
     {"copy_pages", (PyCFunction)(void (*)(void))copy_pages, METH_VARARGS | METH_KEYWORDS,
-     "copy_pages(plan, src, dst, page, nogil=False) -> bool: every buffer pair's page rows at src's pages into "
+     "copy_pages(plan, src, dst, page, nogil=False, strided=False, threads=1) -> bool: every buffer pair's page rows "
+     "at src's "
+     "pages into "
      "dst's (False, nothing copied, unless both are whole pages in order within every buffer)."},
     {"copy_kv_blocks", (PyCFunction)(void (*)(void))copy_kv_blocks, METH_VARARGS | METH_KEYWORDS,
      "copy_kv_blocks(spec, blocks, pages, load) -> bool: one layer's vLLM CPU blocks <-> radixd pages (False, "

@@ -225,6 +225,8 @@ def copy_states(src: StatePool, src_slots: np.ndarray, dst: StatePool, dst_slots
     if src.views.keys() != dst.views.keys() or any(src.views[k].shape[1:] != dst.views[k].shape[1:] or
                                                    src.views[k].dtype != dst.views[k].dtype for k in src.views):
         raise ValueError("state pools differ in geometry or dtype")
+    if src._device is None and dst._device is None and _copy_rows(src, src_slots, dst, dst_slots):
+        return
     pairs = list(zip(np.asarray(src_slots, dtype=np.int64).tolist(), np.asarray(dst_slots, dtype=np.int64).tolist()))
     with on_device(src if src._device is not None else dst):
         for name, sv in src.views.items():
@@ -239,6 +241,32 @@ def copy_states(src: StatePool, src_slots: np.ndarray, dst: StatePool, dst_slots
         if src._device is not None or dst._device is not None:
             import cupy
             cupy.cuda.get_current_stream().synchronize()
+
+
+def _copy_rows(src: StatePool, src_slots: np.ndarray, dst: StatePool, dst_slots: np.ndarray) -> bool:
+    """Shared memory both sides: every buffer's slot rows in one native call (client/_pagecopy.c, split between
+    threads: a state is megabytes); False where it is not built or a view is not one row per slot."""
+    try:
+        from radixd.client._pagecopy import copy_pages
+    except ImportError:  # pragma: no cover - setup.py builds it where a C compiler is
+        return False
+    from ..transfer.pages import _PARALLEL_BYTES, _THREADS
+    plan = []
+    for name, sv in src.views.items():
+        dv = dst.views[name]
+        if not (sv.flags.c_contiguous and dv.flags.c_contiguous):
+            return False
+        row = sv[0].nbytes
+        plan += [sv.ctypes.data, sv.shape[0], row, dv.ctypes.data, dv.shape[0], row, row]
+    a = np.ascontiguousarray(src_slots, dtype=np.int64)
+    b = np.ascontiguousarray(dst_slots, dtype=np.int64)
+    if a.size != b.size:
+        raise ValueError("source and destination state counts differ")
+    nbytes = a.size * sum(v[0].nbytes for v in src.views.values())
+    if a.size and not copy_pages(np.array(plan, dtype=np.int64), a, b, 1, nogil=True, strided=True,
+                                 threads=_THREADS if nbytes >= _PARALLEL_BYTES else 1):
+        raise ValueError("state slot out of range")
+    return True
 
 
 def on_device(pool: "StatePool") -> ContextManager:
