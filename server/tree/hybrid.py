@@ -72,7 +72,7 @@ class HNode:
     """One edge of the hybrid tree: packed int32 key, FULL slots, SWA presence, MAMBA state slot, locks."""
 
     __slots__ = ("id", "parent", "children", "key", "full", "swa", "mamba", "lock", "slock", "mlock", "suuid",
-                 "atime", "created", "dig", "n", "ns", "sprev", "snext", "mprev", "mnext", "hits")
+                 "atime", "created", "dig", "n", "ns", "sprev", "snext", "mprev", "mnext")
 
     def __init__(self, node_id: int, parent: Optional["HNode"], key: bytes, full: np.ndarray, tick: float,
                  ns: Namespace = DEFAULT_NS):
@@ -91,7 +91,6 @@ class HNode:
         self.created = tick + 1
         self.dig: Optional[bytes] = None  # page digests (events on), 32 bytes per page
         self.sprev = self.snext = self.mprev = self.mnext = None  # links of the SWA and MAMBA LRU lists
-        self.hits = 0  # inserts that walked this edge (write_through_selective's count, SPEC R1.3)
 
     def __repr__(self) -> str:
         return (f"HNode(id={self.id}, tokens={len(self.key) >> 2}, swa={self.swa}, mamba={self.mamba}, "
@@ -203,6 +202,8 @@ class HybridTree:
         # inserts that walk a prefix before a host tier copies it down (1: write_through, 2: the selective policy's
         # default); None counts nothing (write_back, or no host tier)
         self.write_through_threshold = write_through_threshold
+        # inserts that walked each edge (SPEC R1.3), kept only with a threshold: no cost to a tree without one
+        self._hits: Optional[dict] = {} if write_through_threshold is not None else None
         self.page_size = page_size
         self._pb = page_size * 4
         self._params = (page_size, window, mamba_chunk, events, mamba_max_states_per_path, victims, medium, native,
@@ -318,7 +319,8 @@ class HybridTree:
         parent = child.parent
         upper = self._new_node(parent, child.key[:k * 4], child.full[:k])
         upper.lock = child.lock
-        upper.hits = child.hits
+        if self._hits is not None and child in self._hits:
+            self._hits[upper] = self._hits[child]
         if child.dig is not None:
             cut = k // self.page_size * 32
             upper.dig, child.dig = child.dig[:cut], child.dig[cut:]
@@ -478,15 +480,15 @@ class HybridTree:
             total += plen
             off += plen * 4
             if thr is not None:
-                child.hits += 1
-                if child.hits >= thr:
+                h = self._hits[child] = self._hits.get(child, 0) + 1
+                if h >= thr:
                     backup_len = total
         new_leaf = off < len(kb)
         if new_leaf:
             target = self._new_node(node, kb[off:], values[total:].copy())
             node.children[kb[off:off + pb]] = target
             if thr is not None:
-                target.hits = 1
+                self._hits[target] = 1
                 if thr <= 1:
                     backup_len = n
             self.evictable[FULL] += n - total
@@ -597,6 +599,8 @@ class HybridTree:
     def _delete_leaf(self, node: HNode, frees: HybridFrees, tracker: dict) -> None:
         if self._victims is not None:
             self._victims.append(self._victim(node))
+        if self._hits is not None:
+            self._hits.pop(node, None)
         if self._ev is not None:
             self._record(REMOVED, FULL, node)
         n = len(node.full)

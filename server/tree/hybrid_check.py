@@ -100,4 +100,10 @@ def check_hybrid(tree: "HybridTree") -> list[str]:
         if (ev[c], pr[c]) != (tree.evictable[c], tree.protected[c]):
             bad.append(f"{c}: evictable/protected {tree.evictable[c]}/{tree.protected[c]}, recounted "
                        f"{ev[c]}/{pr[c]}")
+    if tree._hits is not None:
+        gone = [n for n in tree._hits if tree._nodes.get(n.id) is not n]
+        if gone:
+            bad.append(f"{len(gone)} write-through counts of nodes no longer in the tree (first: {gone[0]!r})")
+        if any(h < 1 for h in tree._hits.values()):
+            bad.append("a write-through count below 1")
     return bad
