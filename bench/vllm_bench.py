@@ -6,6 +6,8 @@ Engines run in vLLM's venv (`.venv-vllm`, built by .ci/run; or RADIXD_VLLM_PYTHO
   A  connector, radixd cold    a miss: prefill + page stores + CacheUnfinished (+ MatchPrefix with --events off:
                                the connector then has no local index of radixd's pages to answer it)
   B  connector, radixd warm    a hit: MatchPrefix + page loads, prefill of the last partial page only
+  L  no connector, the timed prompt served just before (not timed): vLLM's own prefix hit of it, the reference
+     for an external hit (B/L: what a radixd hit costs over the engine's local one)
   N  (--floor) a connector that does nothing (tests/vllm_null_connector.py): vLLM's own cost of a connector, the
      floor no connector can go below; A/N is what radixd costs beyond it
 The engines are up at once and take the prompts in turns (C and A, and N, changing which goes first, B one
@@ -47,7 +49,8 @@ and the connector's threads run against the forward or the spin. The layout is p
 64): a hit loads the attention pages and the Mamba state at the hit's end; --mamba-chunk sets how often a miss
 publishes a state (radixd's checkpoint interval).
 
-Last line: RESULT ttft_x_<len>=<C/B> ... miss_overhead_<len>=<A/C> ... sched_p50_us_<miss|hit>_<batch>=...
+Last line: RESULT ttft_x_<len>=<C/B> ... miss_overhead_<len>=<A/C> ... local_x_<len>=<B/L> ...
+sched_p50_us_<miss|hit>_<batch>=...
 max_rpcs_per_step_<miss|hit>_<batch>=...
 
 --calibrate runs A without the connector too (and no B): its A/C (RESULT aa_<len>) is what two identical engines
@@ -215,6 +218,10 @@ def main() -> None:
                          "over_floor_<len>)")
     ap.add_argument("--lead-in", default="on", choices=["on", "off"],
                     help="before each timed prompt, an untimed one on the same engine (see the docstring)")
+    ap.add_argument("--local", default="on", choices=["on", "off"],
+                    help="engine L too: no connector, each timed prompt served once untimed first, so that its timed "
+                         "run is vLLM's own prefix hit; B/L is a radixd hit against the engine's local one "
+                         "(RESULT local_x_<len>)")
     ap.add_argument("--calibrate", action="store_true",
                     help="engine A without the connector too (no B): A/C is then what two identical engines read, "
                          "the resolution of miss_overhead on this machine (RESULT aa_<len>)")
@@ -251,14 +258,16 @@ def _ttft(py: str, model: str, args, hybrid: bool, block: int, extra: tuple) -> 
     def lead(i: int) -> Optional[int]:
         return len(prompts) + i if leads and 0 < i <= len(prompts) else None
     plain = "CA" if args.calibrate else "C"  # (--calibrate: A has no connector either, and there is no B)
+    local = args.local == "on" and not args.calibrate
+    plain += "L" if local else ""
     floor = args.floor and not hybrid
     turns = ("CAN", "ANC", "NCA") if floor else ("AC", "CA")  # (each engine first, middle and last in turn)
     engines = {w: _Served(py, model, everything, "" if w in plain + "N" else srv.target, max_len, hybrid,
                           *(["--await-index"] if w == "B" and args.events == "on" else []),
                           *(["--null-connector"] if w == "N" else []),
                           *(["--extra", args.extra] if w not in plain + "N" else []))
-               for w in ("CA" if args.calibrate else "CAB") + ("N" if floor else "")}
-    times: dict[str, list[float]] = {w: [] for w in "CABN"}
+               for w in ("CA" if args.calibrate else "CAB") + ("N" if floor else "") + ("L" if local else "")}
+    times: dict[str, list[float]] = {w: [] for w in "CABNL"}
     cached: list[int] = []
     try:
         for e in engines.values():
@@ -284,6 +293,11 @@ def _ttft(py: str, model: str, args, hybrid: bool, block: int, extra: tuple) -> 
                     assert got["tokens"] == prev, "a hit changed the output"
                     times["B"].append(got["seconds"])
                     cached.append(got["cached"])
+                    if local:  # the same prompt twice: a miss that fills L's own prefix cache, then L's local hit
+                        engines["L"].run(i - 1)
+                        got = engines["L"].run(i - 1)
+                        assert got["tokens"] == prev, "a local hit changed the output"
+                        times["L"].append(got["seconds"])
                 prev = want
     finally:
         for e in engines.values():
@@ -316,6 +330,11 @@ def _ttft(py: str, model: str, args, hybrid: bool, block: int, extra: tuple) -> 
         print(f"{n:7d} {statistics.median(tc) * 1e3:13.1f} {statistics.median(ta) * 1e3:10.1f} "
               f"{statistics.median(tb) * 1e3:9.1f} {min(cached[sl]):9d} {results[f'ttft_x_{n}']:9.2f} "
               f"{results[f'miss_overhead_{n}']:9.3f}")
+        if local:  # (L's list, like B's, starts at the warm-up prompt)
+            tl = times["L"][sl]
+            results[f"local_x_{n}"] = statistics.median(b / x for b, x in zip(tb, tl))
+            print(f"{'':7} L, the same prompt hit in vLLM's own prefix cache: {statistics.median(tl) * 1e3:.1f} ms; "
+                  f"a radixd hit B/L {results[f'local_x_{n}']:.3f}")
         if floor:
             tn = times["N"][sl]
             results[f"floor_{n}"] = statistics.median(x / c for x, c in zip(tn, tc))
