@@ -203,7 +203,9 @@ def main() -> None:
     ap.add_argument("--batches", default="1,16,128", help="batch sizes for the scheduler-side costs ('' skips)")
     ap.add_argument("--batch-len", type=int, default=256)
     ap.add_argument("--batch-prompts", type=int, default=256)
-    ap.add_argument("--arch", default="llama", choices=["llama", "nemotron-h"])
+    ap.add_argument("--arch", default="llama", choices=["llama", "llama-8l", "nemotron-h"],
+                    help="llama: the tests' 2-layer model (1 KiB of K+V per token); llama-8l: 8 layers, 32 KiB per "
+                         "token (copies no longer negligible against the forward)")
     ap.add_argument("--mamba-chunk", type=int, default=0, help="radixd's --mamba-chunk (nemotron-h): tokens between "
                                                                "published states (0: the config's chunk_size)")
     ap.add_argument("--cpus", default="split", choices=["split", "loose", "shared"],
@@ -230,7 +232,7 @@ def main() -> None:
     print("CPU layout:", _layout(args.cpus))
     model = tempfile.mkdtemp(prefix="radixd-vllm-bench-model-")
     subprocess.run([py, str(ENGINE), model, "--arch", args.arch], check=True, env={**os.environ, "PYTHONPATH": ""})
-    hybrid = args.arch != "llama"
+    hybrid = args.arch == "nemotron-h"
     block = 64 if hybrid else BLOCK  # the Nemotron-H engine's block (tests/vllm_engine.py)
     extra = ("--hybrid-cache", "--mamba-states", "2048", "--mamba-chunk", str(args.mamba_chunk)) if hybrid else ()
     extra += ("--kv-events",) if args.events == "on" else ()
@@ -355,16 +357,17 @@ def _scheduler_side(py: str, model: str, args) -> dict[str, float]:
           f"{'local misses':>12}")
     hooks: list[str] = []  # per hook: calls x mean microseconds
     for batch in [int(x) for x in args.batches.split(",")]:
-        block = 64 if args.arch != "llama" else BLOCK
+        hybrid = args.arch == "nemotron-h"
+        block = 64 if hybrid else BLOCK
         srv = _server(args.cpus, "--num-slots", str(max(65536, 2 * args.batch_len * args.batch_prompts)),
                          "--page-size", str(block), "--model-config", os.path.join(model, "config.json"),
                          *(("--hybrid-cache", "--mamba-states", "2048", "--mamba-chunk", str(args.mamba_chunk))
-                           if args.arch != "llama" else ()), *(("--kv-events",) if args.events == "on" else ()))
+                           if hybrid else ()), *(("--kv-events",) if args.events == "on" else ()))
         try:
             for mode in ("miss", "hit"):  # the first engine stores every prompt, the second finds them all
                 path = tempfile.mktemp(prefix="radixd-vllm-stats-")
                 _engine(py, model, prompts, srv.target, args.batch_len + 2 * block, batch, path,
-                        hybrid=args.arch != "llama")
+                        hybrid=hybrid)
                 st = json.load(open(path))
                 print(f"{batch:5d} {mode:>4} {st['requests']:8d} {st['steps']:6d} {st['p50_us']:8.0f} "
                       f"{st['p99_us']:8.0f} {st['busy_p50_us']:8.0f} {st['busy_p99_us']:8.0f} {st['max_rpcs_per_step']:13d} {st['mean_rpcs_per_step']:5.2f} "

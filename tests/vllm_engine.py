@@ -128,6 +128,12 @@ def build_model(path: str, arch: str = "llama") -> None:
         cfg.architectures = ["Mamba2ForCausalLM"]
         torch.manual_seed(0)
         model = Mamba2ForCausalLM(cfg)
+    elif arch == "llama-8l":  # the benches' model: 8 layers, 8 KV heads of 64 in fp32 = 32 KiB of K+V per token
+        cfg = LlamaConfig(hidden_size=512, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=8,
+                          num_key_value_heads=8, vocab_size=512, max_position_embeddings=16384, bos_token_id=1,
+                          eos_token_id=2, torch_dtype="float32")
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(cfg)
     else:
         cfg = LlamaConfig(hidden_size=KV_HEADS * 2 * HEAD_DIM, intermediate_size=256, num_hidden_layers=LAYERS,
                           num_attention_heads=4, num_key_value_heads=KV_HEADS, vocab_size=512,
@@ -153,8 +159,8 @@ def main() -> None:
     ap.add_argument("--radixd", default="")
     ap.add_argument("--hybrid", action="store_true", help="RadixdHybridConnector (vLLM keeps its hybrid manager)")
     ap.add_argument("--arch", default="llama", help="the tiny model to build",
-                    choices=["llama", "gemma3", "gpt-oss", "nemotron-h", "deepseek-v2", "falcon-h1", "granite-4",
-                             "qwen3-sliding", "mistral-sliding", "mamba2"])
+                    choices=["llama", "llama-8l", "gemma3", "gpt-oss", "nemotron-h", "deepseek-v2", "falcon-h1",
+                             "granite-4", "qwen3-sliding", "mistral-sliding", "mamba2"])
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (worker processes: mp)")
@@ -186,7 +192,13 @@ def main() -> None:
     elif args.null_connector:
         kw["kv_transfer_config"] = KVTransferConfig(kv_connector="NullConnector",
                                                     kv_connector_module_path="vllm_null_connector", kv_role="kv_both")
-    arch = (json.load(open(os.path.join(args.model_dir, "config.json"))).get("architectures") or [""])[0]
+    hf = json.load(open(os.path.join(args.model_dir, "config.json")))
+    arch = (hf.get("architectures") or [""])[0]
+    kv_bytes = 64 << 20
+    if hf.get("model_type") == "llama":  # (the benches' larger model: room for a few prompts of max_model_len)
+        per_token = hf["num_hidden_layers"] * 2 * hf["num_key_value_heads"] * (
+            hf["hidden_size"] // hf["num_attention_heads"]) * 4
+        kv_bytes = max(kv_bytes, 4 * args.max_model_len * per_token)
     if arch in ("NemotronHForCausalLM", "FalconH1ForCausalLM", "GraniteMoeHybridForCausalLM", "Mamba2ForCausalLM"):
         # (Mamba2 on CPU: a prefill chunk may not cross a block, VLLM_CPU.md)
         kw.update(block_size=MAMBA_BLOCK, max_num_batched_tokens=MAMBA_BLOCK)
@@ -199,7 +211,7 @@ def main() -> None:
     # eager, except with pipeline stages: vLLM's CPU runner builds a later stage's input buffer only in the compile
     # warm-up, and an eager engine's first forward fails there (vllm-cpu 0.32.0)
     llm = LLM(model=args.model_dir, dtype="float32", enforce_eager=args.pp == 1, max_model_len=args.max_model_len,
-              enable_prefix_caching=True, kv_cache_memory_bytes=64 << 20, seed=0, **kw)
+              enable_prefix_caching=True, kv_cache_memory_bytes=kv_bytes, seed=0, **kw)
     prompts = json.load(open(args.prompts))
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     if args.serve >= 0:
