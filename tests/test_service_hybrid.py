@@ -256,16 +256,19 @@ def test_a_host_tier_keeps_what_the_device_evicts_and_loads_it_back_byte_exact(t
     assert rows["host states"][:3] == ["40", str(st["host_mamba_free"]), str(st["host_mamba_cached"])], rows
 
 
+def _host_server(tmp_path, components: str, *extra: str) -> ServerProc:
+    """A small device over a host tier three times its size, every component of the set."""
+    return ServerProc("--num-slots", "384", "--page-size", str(PAGE), "--model-config",
+                      _config(tmp_path, COMPONENT_SETS[components]), "--hybrid-cache", "--swa-ratio", "0.5",
+                      "--mamba-states", "10", "--host-slots", "1536", "--load-back-threshold", "0", *extra)
+
+
 @pytest.mark.parametrize("components", ["FSM", "S", "M"])
 def test_a_write_through_host_tier_copies_every_prefix_at_once_and_serves_it_under_device_pressure(tmp_path,
                                                                                                    components):
     """--write-policy write_through: a prefix is on the host as soon as the device takes it (before any eviction);
     then the workload on a small device hits exactly the values written, device and host pools conserved."""
-    args = ["--num-slots", "384", "--page-size", str(PAGE), "--model-config",
-            _config(tmp_path, COMPONENT_SETS[components]), "--hybrid-cache", "--swa-ratio", "0.5",
-            "--mamba-states", "10", "--host-slots", "1536", "--load-back-threshold", "0",
-            "--write-policy", "write_through"]
-    s = ServerProc(*args)
+    s = _host_server(tmp_path, components, "--write-policy", "write_through")
     try:
         with CacheClient(s.target, name="wt") as c:
             state = "M" in components
@@ -290,11 +293,7 @@ def test_a_selective_write_through_host_tier_copies_a_prefix_once_it_is_cached_a
     """--write-policy write_through_selective (threshold 2): a prompt cached once stays on the device only; cached
     a second time (a hit whose request finished), it is copied to the host, every component, and loads back
     after the device is emptied; then the workload on a small device, pools conserved."""
-    args = ["--num-slots", "384", "--page-size", str(PAGE), "--model-config",
-            _config(tmp_path, COMPONENT_SETS[components]), "--hybrid-cache", "--swa-ratio", "0.5",
-            "--mamba-states", "10", "--host-slots", "1536", "--load-back-threshold", "0",
-            "--write-policy", "write_through_selective"]
-    s = ServerProc(*args)
+    s = _host_server(tmp_path, components, "--write-policy", "write_through_selective")
     try:
         with CacheClient(s.target, name="wts") as c:
             state = "M" in components

@@ -34,9 +34,11 @@ def _server(tmp_path, components: str, url: str, *extra: str) -> ServerProc:
                       "0", "--storage", url, "--prefetch-threshold", "1", *extra)
 
 
-def _store_from_a(tmp_path, components: str, url: str, *extra: str) -> tuple[ServerProc, dict]:
-    """Server A caches PROMPTS (values of their prefixes), evicts them to its host tier (and so to L3); it stays up
-    (a Mooncake object lives in the segments its clients mount)."""
+def _store_from_a(tmp_path, components: str, url: str, *extra: str,
+                  host_evicts: bool = False) -> tuple[ServerProc, dict]:
+    """Server A caches PROMPTS (values of their prefixes), evicts them to its host tier (and so to L3; with
+    host_evicts, from the host too: a write-back store takes them then); it stays up (a Mooncake object lives in
+    the segments its clients mount)."""
     a = _server(tmp_path, components, url, *extra)
     try:
         e = Engine(a.target)
@@ -45,6 +47,13 @@ def _store_from_a(tmp_path, components: str, url: str, *extra: str) -> tuple[Ser
         e.c.evict_hybrid(1 << 20)
         assert e.c.wait_storage()
         e.ok()
+        if host_evicts:
+            st = e.c.stats()
+            assert st["host_cached_tokens"] >= ALIGNED and st["storage_put_pages_total"] == 0, st
+            assert e.c.evict_host(1 << 20) >= ALIGNED
+            assert e.c.wait_storage()
+            assert e.c.stats()["host_cached_tokens"] == 0
+            e.ok()
         st = e.c.stats()
         assert st["storage_errors_total"] == 0 and st["storage_put_pages_total"] > 0, st
         e.close()
@@ -150,31 +159,14 @@ def test_a_write_back_store_takes_a_hybrid_prefix_when_the_host_evicts_it(tmp_pa
     every prompt restored byte-exact."""
     url = f"file://{tmp_path / 'l3'}"
     wb = ("--storage-write-policy", "write_back", "--prefetch-policy", "wait_complete")
-    a = _server(tmp_path, components, url, *wb)
+    a, _ = _store_from_a(tmp_path, components, url, *wb, host_evicts=True)
+    b = _server(tmp_path, components, url, *wb)
     try:
-        e = Engine(a.target)
-        for t in PROMPTS:
-            e.finish(e.start(t, rng))
-        e.c.evict_hybrid(1 << 20)
-        assert e.c.wait_storage()
+        e = _hits_on_b(b, components)
         st = e.c.stats()
-        assert st["host_cached_tokens"] >= ALIGNED and st["storage_put_pages_total"] == 0, st
-        e.ok()
-        assert e.c.evict_host(1 << 20) >= ALIGNED
-        assert e.c.wait_storage()
-        st = e.c.stats()
-        assert st["host_cached_tokens"] == 0 and st["storage_put_pages_total"] > 0, st
-        assert st["storage_errors_total"] == 0
-        e.ok()
+        assert st["storage_hit_tokens_total"] == ALIGNED and st["load_back_tokens_total"] == ALIGNED, st
+        assert e.checked["state"] == (len(PROMPTS) if "M" in components else 0)
         e.close()
-        b = _server(tmp_path, components, url, *wb)
-        try:
-            e = _hits_on_b(b, components)
-            st = e.c.stats()
-            assert st["storage_hit_tokens_total"] == ALIGNED and st["load_back_tokens_total"] == ALIGNED, st
-            assert e.checked["state"] == (len(PROMPTS) if "M" in components else 0)
-            e.close()
-        finally:
-            b.stop()
     finally:
+        b.stop()
         a.stop()
