@@ -558,6 +558,10 @@ async def _run(cfg: Config, core: CacheCore, instance_id: str, sockets: list[str
         await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         if swept:
             log.info("removed %d stale shared-memory segments of dead servers", swept)
+        if cfg.model_config:
+            lay = getattr(cfg, "_layout", None)
+            log.info("model config %s read %s%s", cfg.model_config, getattr(cfg, "_config_source", "?"),
+                     f": {lay.describe()}" if lay is not None else "")
         pools = ",".join(f"{p.descriptor.backend}:{p.descriptor.tier}" for p in core.all_pools())
         log.info("radixd %s instance=%s pools=%s metrics=http://%s/metrics %s", __import__("radixd.server").server.__version__,
                  instance_id, pools, metrics_at, cfg.summary())

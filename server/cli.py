@@ -264,13 +264,10 @@ def cmd_simulate(args) -> None:
 
 def _hybrid_grid(args, host_x: list[float], policies: list[str]) -> tuple:
     """simulate --model-config: the model's hybrid layout and the SWA / state axes of the grid."""
-    import json
-
-    from .layouts import LayoutError, model_layout
+    from .layouts import LayoutError, model_layout, read_model_config
     from .simulate import HybridLayout
     try:
-        with open(args.model_config) as fh:
-            hf = json.load(fh)
+        hf, _ = read_model_config(args.model_config)
         lay = model_layout(hf)
     except (OSError, ValueError, LayoutError) as e:
         raise UsageError(f"simulate --model-config: {args.model_config}: {e}") from None

@@ -140,7 +140,8 @@ SCHEMA: dict[str, Setting] = {
     "lock_lease_seconds": Setting("float", "release a lock receipt held longer (0: off)", minimum=0.0),
     "prefault": Setting("bool", "touch every pool page and the retained heap (--heap-retain-mb) at start"),
     "heap_retain_mb": Setting("int", "MiB of freed heap kept for the next request's buffers instead of returned to the kernel (0: the C library's default)", minimum=0),
-    "model_config": Setting("str", "a Hugging Face config.json for the KV geometry", optional=True),
+    "model_config": Setting("str", "a Hugging Face config.json (or a model directory) for the KV geometry, "
+                            "read through the model's config class where transformers is installed", optional=True),
     "model": Setting("str", "a bundled model preset for the KV geometry", optional=True),
     "device_mem": Setting("size", "device pool size in bytes, e.g. 40GiB (instead of num_slots)", optional=True),
     "tp_size": Setting("int", "the engine's tensor-parallel size (divides the model's KV heads)", minimum=1),
@@ -515,9 +516,7 @@ def model_geometry(hf: dict[str, Any], tp_size: int = 1, hybrid: bool = False) -
 
 def _apply_model(cfg: Config, origin: dict[str, str]) -> None:
     """Fill the KV geometry from --model-config or a --model preset; settings given explicitly win."""
-    import json
-
-    from .layouts import LayoutError
+    from .layouts import LayoutError, read_model_config
     if cfg.model:
         from .models import PRESETS
         if cfg.model not in PRESETS:
@@ -534,10 +533,7 @@ def _apply_model(cfg: Config, origin: dict[str, str]) -> None:
         return
     src = origin.get("model_config", "--model-config")
     try:
-        with open(cfg.model_config) as fh:
-            hf = json.load(fh)
-        if not isinstance(hf, dict):
-            raise ValueError(f"the file holds a JSON {type(hf).__name__}, not a config object")
+        hf, cfg._config_source = read_model_config(cfg.model_config)
         geo = model_geometry(hf, cfg.tp_size, cfg.hybrid_cache)
         if cfg.hybrid_cache:
             from .layouts import model_layout

@@ -5,11 +5,15 @@ sliding-window layers (only the last `window` tokens of a request matter), and o
 prefix for the Mamba / linear-attention layers (a conv state and a temporal state per layer). Sizing all
 layers as full attention, as a plain model, over-sizes FULL and leaves the others unsized.
 
-Read, in this order (the first that the config has decides):
-  * `layer_types` (Gemma 3, gpt-oss, Qwen3-Next, Granite 4 and transformers' newer configs): "full_attention" or
-    "attention", "sliding_attention" (with `sliding_window`), "mamba", "hybrid" (Falcon-H1: attention and Mamba2 in
-    one layer) or "linear_attention": a Mamba2 mixer in the Mamba2 families (Granite 4, Nemotron-H, Falcon-H1, which
-    transformers writes so), else Qwen3-Next's gated delta net (with its `linear_*` dims);
+The config is read through the model's own config class where transformers is importable (`read_model_config`:
+`AutoConfig`, whose classes compute the layer list a config.json may leave out, as for Falcon-H1, Mamba2, Jamba and
+the Qwen families), and by hand from the file's JSON where it is not; both go through `model_layout`, which reads,
+in this order (the first that the config has decides):
+  * `layer_types` (Gemma 3, gpt-oss, Qwen3-Next, Granite 4 and transformers' newer configs; every class that
+    computes one): "full_attention" or "attention", "sliding_attention" (with `sliding_window`), "mamba",
+    "hybrid" (Falcon-H1: attention and Mamba2 in one layer) or "linear_attention": a Mamba2 mixer in the Mamba2
+    families (Granite 4, Nemotron-H, Falcon-H1, Mamba2, which transformers writes so), Mamba1 in Jamba, else
+    Qwen3-Next's gated delta net (with its `linear_*` dims);
   * `hybrid_override_pattern` (Nemotron-H): "M" Mamba2, "*" attention, "-" MLP and "E" MoE (no cache);
   * `layers_block_type` (transformers' Nemotron-H): "mamba" or "linear_attention" for Mamba2, "attention" or
     "full_attention", "mlp", "moe";
@@ -29,6 +33,8 @@ A field radixd cannot interpret fails in one line that names it.
 """
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -211,14 +217,13 @@ def model_layout(hf: dict[str, Any], tp_size: int = 1) -> ModelLayout:
                 full.append(i)
             elif t in ("sliding_attention", "sliding_window"):
                 swa.append(i)
-            elif t == "linear_attention" and not mamba2_family:
-                state.append(i)
-                spec = spec or _gated_delta(cfg, tp_size)
             elif t in ("mamba", "linear_attention", "hybrid"):
                 if t == "hybrid":
                     full.append(i)
                 state.append(i)
-                spec = spec or _mamba2(cfg, tp_size)
+                spec = spec or (_mamba1(cfg, tp_size) if family == "jamba" else
+                                _gated_delta(cfg, tp_size) if t == "linear_attention" and not mamba2_family else
+                                _mamba2(cfg, tp_size))
             elif t not in ("mlp", "moe"):
                 raise LayoutError(f"field 'layer_types'[{i}] is {t!r}: radixd knows full_attention, "
                                   "sliding_attention, linear_attention, mamba, hybrid, mlp and moe")
@@ -269,3 +274,40 @@ def model_layout(hf: dict[str, Any], tp_size: int = 1) -> ModelLayout:
     if not (full or swa or state):
         raise LayoutError("no layer keeps a cache (every layer is an MLP or MoE block)")
     return ModelLayout(tuple(full), tuple(swa), window, tuple(state), spec)
+
+
+def config_dict(config: Any) -> dict[str, Any]:
+    """A transformers config object (its language model's part) as `model_layout` reads it: its fields, and the
+    layer list its class computes (`layer_types`, a property in some classes) where it has one."""
+    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    d = text.to_dict()
+    types = getattr(text, "layer_types", None)
+    if types is not None:
+        d["layer_types"] = list(types)
+    d["model_type"] = getattr(text, "model_type", None) or d.get("model_type")
+    return d
+
+
+def read_model_config(path: str, use_transformers: bool = True) -> tuple[dict[str, Any], str]:
+    """A config.json, or a model directory holding one, read through the model's own config class (transformers'
+    AutoConfig, offline) where transformers is importable, else by hand: (the config, how it was read)."""
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    why = "by hand"
+    try:
+        import transformers
+    except ImportError:
+        if use_transformers:
+            why = "by hand (transformers is not installed)"
+    else:
+        if use_transformers:
+            try:
+                config = transformers.AutoConfig.from_pretrained(file, local_files_only=True)
+            except (ValueError, KeyError) as e:  # (a model type this transformers has no class for)
+                why = f"by hand (transformers {transformers.__version__}: {str(e).splitlines()[0][:120]})"
+            else:
+                return config_dict(config), f"transformers {transformers.__version__} {type(config).__name__}"
+    with open(file) as fh:
+        hf = json.load(fh)
+    if not isinstance(hf, dict):
+        raise LayoutError(f"the file holds a JSON {type(hf).__name__}, not a config object")
+    return hf, why

@@ -5,7 +5,9 @@
 For every config under tests/configs: the layer kinds transformers' own config class derives (its
 `layer_types` or `layers_block_type`; Falcon-H1's "hybrid" layer holds attention and Mamba2) must equal radixd's
 classification, and the state shapes vLLM's own model class gives (`get_mamba_state_shape_from_config`, TP 1 and 2)
-must equal radixd's. Prints one line per config.
+must equal radixd's; and the config read through its own class (`read_model_config`: AutoConfig, as radixd's server
+reads it where transformers is installed) must give the layout and geometry of the file read by hand. Prints one
+line per config.
 """
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ from types import SimpleNamespace  # noqa: E402
 import transformers  # noqa: E402
 from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first  # noqa: E402
 
-from radixd.server.layouts import model_layout  # noqa: E402
+from radixd.server.config import model_geometry  # noqa: E402
+from radixd.server.layouts import model_layout, read_model_config  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 CLASSES = {"gemma3_text": "Gemma3TextConfig", "gemma3": "Gemma3Config", "gpt_oss": "GptOssConfig",
@@ -78,7 +81,16 @@ def main() -> None:
                 cache_config=SimpleNamespace(use_replayssm=False), speculative_config=None, num_speculative_tokens=0)
             c, t = model.get_mamba_state_shape_from_config(vllm_config)
             assert (s.conv_shape, s.temporal_shape) == (conv(c), tuple(t)), (path.name, tp, s, c, t)
-        print(f"ok {path.name}: {model_layout(hf).describe()}")
+        # what radixd's server reads where transformers is installed: the config through its own class (AutoConfig),
+        # which must lay out and size the model exactly as the hand reader does on the file's JSON
+        classed, source = read_model_config(str(path))
+        assert source.startswith(f"transformers {transformers.__version__} ") and \
+            source.endswith(type(theirs(hf, path)[1]).__name__ if "text_config" not in hf else "Config"), source
+        for tp in (1, 2):
+            assert model_layout(classed, tp) == model_layout(hf, tp), (path.name, tp)
+            hybrid = model_layout(hf, tp).hybrid
+            assert model_geometry(classed, tp, hybrid) == model_geometry(hf, tp, hybrid), (path.name, tp)
+        print(f"ok {path.name}: {model_layout(hf).describe()} (also through {source.split()[-1]})")
 
 
 if __name__ == "__main__":

@@ -134,3 +134,24 @@ def test_a_config_that_lists_its_layers_needs_no_layer_count():
     assert model_layout(cfg).state_layers == (0, 3)
     with pytest.raises(LayoutError, match="'num_hidden_layers' is missing"):
         model_geometry(dict(hidden_size=128, num_attention_heads=4))
+
+
+def test_a_config_is_read_by_hand_where_transformers_is_missing_and_says_so(tmp_path):
+    """The server's reader: a config.json or a model directory; without transformers (radixd's own environment)
+    the file's JSON read by hand, and the source names why; a JSON that is not an object is refused in one line."""
+    import importlib.util
+
+    from radixd.server.layouts import read_model_config
+    path = CONFIGS / "nemotron-h-4b.json"
+    hf, source = read_model_config(str(path), use_transformers=False)
+    assert hf == json.loads(path.read_text()) and source == "by hand"
+    (tmp_path / "config.json").write_text(path.read_text())
+    hf2, source2 = read_model_config(str(tmp_path))  # a model directory
+    assert model_layout(hf2) == model_layout(hf)
+    if importlib.util.find_spec("transformers") is None:
+        assert source2 == "by hand (transformers is not installed)"
+    else:
+        assert source2.startswith("transformers ") and source2.endswith("NemotronHConfig")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    with pytest.raises(LayoutError, match="holds a JSON list, not a config object"):
+        read_model_config(str(tmp_path / "list.json"), use_transformers=False)

@@ -406,6 +406,32 @@ def test_a_sliding_window_model_keeps_vllms_hybrid_manager_through_the_hybrid_co
         srv.stop()
 
 
+@needs_vllm
+def test_a_layer_layout_other_than_the_engines_config_class_fails_the_engine_start_in_one_line(gemma3_dir, tmp_path):
+    """radixd started with the same model but its full-attention layer first ([full, swa, swa, swa] where
+    transformers' Gemma3TextConfig of the engine's model says [swa, swa, swa, full]): the pools' shapes agree, so
+    only the layer kinds tell them apart; the engine refuses to start in one line naming both layouts (as its own
+    config object reads them), and nothing is left held in radixd."""
+    cfg = json.loads(Path(gemma3_dir, "config.json").read_text())
+    text = cfg.get("text_config", cfg)
+    assert text["layer_types"] == ["sliding_attention"] * 3 + ["full_attention"]
+    text["layer_types"] = ["full_attention"] + ["sliding_attention"] * 3
+    other = tmp_path / "config.json"
+    other.write_text(json.dumps(cfg))
+    srv = ServerProc("--num-slots", "8192", "--page-size", str(BLOCK), "--model-config", str(other),
+                     "--hybrid-cache", "--swa-ratio", "0.5")
+    try:
+        rc, out = _engine(gemma3_dir, [P], srv.target, check=False, extra=("--hybrid",))
+        assert rc != 0
+        line = [ln for ln in out.splitlines() if "differ from the engine's model" in ln]
+        assert line and "radixd's layers (full 0; sliding 1-3)" in line[-1] and \
+            "(full 3; sliding 0-2, its config class)" in line[-1], out[-3000:]
+        with CacheClient(srv.target, name="test") as c:
+            _settled(c)
+    finally:
+        srv.stop()
+
+
 def _from_host(c: CacheClient, model: str, want: list[int], hybrid: tuple) -> None:
     """Evict everything from the device (radixd's host tier keeps a copy), then an engine runs P + SUFFIX again:
     its lookup loads P's 192 tokens back from the host, the engine hits all of them and generates `want`; what

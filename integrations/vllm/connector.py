@@ -122,6 +122,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+    from radixd.server.layouts import ModelLayout
 
 log = logging.getLogger("radixd.vllm")
 SUPPORTED_VLLM = "0.32.0"
@@ -227,6 +228,8 @@ class RadixdConnector(KVConnectorBase_V1):
         self.tp, self.pp = par.tensor_parallel_size, par.pipeline_parallel_size
         self.workers = par.world_size  # (every worker reports each store it copied: its heads, its layers)
         self.groups = _group_kinds(kv_cache_config) if self.hma else ["full"]
+        # the model's layers as its own config class (vLLM's hf_config) reads them: radixd's must be the same
+        self.layout = _engine_layout(vllm_config) if self.hma else None
         self.cpus = helper_cpus(str(extra.get("radixd_cpus", "auto")), vllm_config)
         # the scheduler side's calls and events through a relay process: gRPC's threads and each call's Python out of
         # the process whose forward shares the GIL with them
@@ -463,7 +466,7 @@ class _Scheduler:
         # null blocks outside a window: a model with no full-attention layer has another group first)
         self.full = conn.groups.index("full") if "full" in conn.groups else 0
         if self.hybrid:
-            _check_hybrid_server(info, conn.groups)
+            _check_hybrid_server(info, conn.groups, conn.layout)
         # states are published where radixd wants its checkpoints (--mamba-chunk, on block boundaries) and at the
         # prompt's last block boundary: a longer chunk, fewer publishes on a miss, coarser hits inside a prefix
         chunk = (info.get("hybrid") or {}).get("mamba_chunk") or self.page
@@ -517,7 +520,7 @@ class _Scheduler:
             if info["page_size"] != self.page or info["capacity_tokens"] <= 0:
                 raise RadixdError(f"radixd's page size is now {info['page_size']}, vLLM's block {self.page}")
             if self.hybrid:
-                _check_hybrid_server(info, self.conn.groups)
+                _check_hybrid_server(info, self.conn.groups, self.conn.layout)
         except (RadixdError, ValueError) as e:
             log.warning("radixd connector: radixd is back but cannot serve this engine (%s)", e)
             client.close()
@@ -804,19 +807,46 @@ def _client(conn: RadixdConnector, name: str) -> CacheClient:
 
 
 def _numbers(names: list[str]) -> list[int]:
-    """Each vLLM layer's index in the model, from its name (a pipeline stage holds some of them)."""
-    numbers = [int(_LAYER.findall(n)[0]) if _LAYER.search(n) else -1 for n in names]
+    """Each vLLM layer's index in the model, as vLLM reads it from the layer's name (a pipeline stage holds some)."""
+    from vllm.model_executor.models.utils import extract_layer_index
+    numbers = []
+    for n in names:
+        try:
+            numbers.append(extract_layer_index(n))
+        except (AssertionError, ValueError):
+            numbers.append(-1)
     if min(numbers, default=0) < 0 or len(set(numbers)) != len(numbers):
         raise ValueError(f"radixd connector: cannot tell the model's layers apart by their names: {names[:4]}...")
     return numbers
 
 
-def _check_hybrid_server(info: dict, groups: list[str]) -> None:
-    """The radixd server must hold this model's layers the hybrid way, with the same window."""
+def _engine_layout(vllm_config: "VllmConfig") -> "ModelLayout":
+    """The model's layer layout as the engine's own config object (transformers' class, built by vLLM) gives it."""
+    from radixd.server.layouts import LayoutError, config_dict, model_layout
+    hf = vllm_config.model_config.hf_config
+    try:
+        return model_layout(config_dict(hf))
+    except LayoutError as e:
+        raise ValueError(f"radixd connector (hybrid): radixd cannot read the layers of {type(hf).__name__}: {e}") \
+            from None
+
+
+def _check_hybrid_server(info: dict, groups: list[str], layout: Optional["ModelLayout"] = None) -> None:
+    """The radixd server must hold this model's layers the hybrid way, as the engine's config class lays them out,
+    with the same window."""
     h = info.get("hybrid")
     if not h or not (h["swa_layers"] or h["state_layers"]):
         raise ValueError("radixd connector (hybrid): the radixd server holds a plain model; start it with "
                          "--hybrid-cache --model-config <this model's config.json>")
+    if layout is not None:
+        theirs = (list(layout.full_layers), list(layout.swa_layers), list(layout.state_layers))
+        mine = (list(h["full_layers"]), list(h["swa_layers"]), list(h["state_layers"]))
+        if mine != theirs:
+            def kinds(lists) -> str:
+                return "; ".join(f"{what} {_ranges(x)}" for what, x in zip(("full", "sliding", "state"), lists) if x)
+            raise ValueError(f"radixd connector (hybrid): radixd's layers ({kinds(mine)}) differ from the engine's "
+                             f"model ({kinds(theirs)}, its config class); start radixd with --model-config <this "
+                             "model's config.json>")
     for what, have, want in (("full-attention", bool(h["full_layers"]), "full" in groups),
                              ("sliding-window", bool(h["swa_layers"]), any(k.startswith("swa") for k in groups)),
                              ("Mamba state", bool(h["state_layers"]), "mamba" in groups)):
@@ -831,6 +861,18 @@ def _check_hybrid_server(info: dict, groups: list[str]) -> None:
 
 
 _LAYER = re.compile(r"(\d+)")
+
+
+def _ranges(layers: list[int]) -> str:
+    """Layer indices in short form: 0-3,8,10-11."""
+    out, i = [], 0
+    while i < len(layers):
+        j = i
+        while j + 1 < len(layers) and layers[j + 1] == layers[j] + 1:
+            j += 1
+        out.append(str(layers[i]) if i == j else f"{layers[i]}-{layers[j]}")
+        i = j + 1
+    return ",".join(out)
 
 
 def _probe_cpu_kernel(geo: Geometry, conn: RadixdConnector) -> Geometry:
@@ -1159,10 +1201,8 @@ class _Worker:
 
     def _hybrid_plan(self, names: list[str], info: dict) -> list:
         """Each vLLM layer -> its KV cache group and its buffers in radixd's FULL or SWA pool."""
-        h = info.get("hybrid")
-        if not h:
-            raise ValueError("radixd connector (hybrid): the radixd server holds a plain model; start it with "
-                             "--hybrid-cache --model-config <this model's config.json>")
+        _check_hybrid_server(info, self.conn.groups, self.conn.layout)  # (the workers map before a scheduler exists)
+        h = info["hybrid"]
         group_of = {n: g for g, grp in enumerate(self.conn._kv_cache_config.kv_cache_groups) for n in grp.layer_names}
         full, swa = h["full_layers"], h["swa_layers"]
         numbers = _numbers(names)
