@@ -49,7 +49,12 @@ and the connector's threads run against the forward or the spin. The layout is p
 64): a hit loads the attention pages and the Mamba state at the hit's end; --mamba-chunk sets how often a miss
 publishes a state (radixd's checkpoint interval).
 
-Last line: RESULT ttft_x_<len>=<C/B> ... miss_overhead_<len>=<A/C> ... local_x_<len>=<B/L> ...
+Decode throughput (--decode-batches, default 1,16): engines C and A (connector, radixd cold: every request a miss
+whose pages it stores) each take, in turns, a batch of --decode-len-token prompts generating --decode-tokens + 1
+tokens and a batch of new prompts of the same length generating 1 (the same prefill); the difference is the batch's
+decode time. decode_x_<batch> is A's decode tokens/s over C's (median of the rounds' ratios).
+
+Last line: RESULT ttft_x_<len>=<C/B> ... miss_overhead_<len>=<A/C> ... local_x_<len>=<B/L> ... decode_x_<batch>=<A/C>
 sched_p50_us_<miss|hit>_<batch>=...
 max_rpcs_per_step_<miss|hit>_<batch>=...
 
@@ -172,6 +177,12 @@ class _Served:
         self.proc.stdin.flush()
         return json.loads(self._line())[0]
 
+    def run_batch(self, ids: list[int], max_tokens: int) -> list[dict]:
+        """The prompts together, each generating max_tokens tokens."""
+        self.proc.stdin.write(" ".join(map(str, ids)) + f" max={max_tokens}\n")
+        self.proc.stdin.flush()
+        return json.loads(self._line())
+
     def close(self) -> None:
         try:
             self.proc.stdin.close()
@@ -196,12 +207,58 @@ def _await_stored(client: CacheClient, prompt: list[int], block: int, hybrid: bo
     print(f"warning: radixd holds a shorter prefix than the miss engine stored ({got} < {want} tokens)")
 
 
+def _decode(py: str, model: str, args, hybrid: bool, block: int, extra: tuple) -> dict[str, float]:
+    """Decode throughput with the connector (A: radixd cold, each request a miss that stores) against without (C),
+    per batch size: each round, on both engines in turn, a batch generating --decode-tokens + 1 tokens and another
+    of new prompts generating 1 (the same prefill): the difference is the batch's decode time."""
+    rng = random.Random(11)
+    batches = [int(x) for x in args.decode_batches.split(",")]
+    n, rounds = args.decode_len, args.decode_rounds
+    groups = {b: [[[rng.randrange(3, 512) for _ in range(n)] for _ in range(b)] for _ in range(2 * (rounds + 1))]
+              for b in batches}
+    everything = [p for b in batches for g in groups[b] for p in g]
+    srv = _server(args.cpus, "--num-slots", str(max(65536, 2 * sum(map(len, everything)))), "--page-size", str(block),
+                  "--model-config", os.path.join(model, "config.json"), *extra)
+    max_len = n + args.decode_tokens + 2 * block
+    engines = {w: _Served(py, model, everything, srv.target if w == "A" else "", max_len, hybrid,
+                          *(["--extra", args.extra] if w == "A" else [])) for w in "CA"}
+    results: dict[str, float] = {}
+    print(f"\n{'batch':>5} {'C decode tok/s':>15} {'A decode tok/s':>15} {'A/C':>6}   (prompts of {n} tokens, "
+          f"{args.decode_tokens} decoded each; medians of {rounds} rounds)")
+    try:
+        for e in engines.values():
+            e.ready()
+        at = 0
+        for b in batches:
+            ids = [list(range(at + g * b, at + (g + 1) * b)) for g in range(len(groups[b]))]
+            at += len(groups[b]) * b
+            rates: dict[str, list[float]] = {"C": [], "A": []}
+            for r in range(rounds + 1):  # (round 0 warms the batch's shapes up, not counted)
+                for w in ("CA" if r % 2 else "AC"):
+                    long = engines[w].run_batch(ids[2 * r], args.decode_tokens + 1)[0]["seconds"]
+                    short = engines[w].run_batch(ids[2 * r + 1], 1)[0]["seconds"]
+                    if r:
+                        rates[w].append(b * args.decode_tokens / max(long - short, 1e-6))
+            ratio = statistics.median(a / c for a, c in zip(rates["A"], rates["C"]))
+            results[f"decode_x_{b}"] = ratio
+            print(f"{b:5d} {statistics.median(rates['C']):15.0f} {statistics.median(rates['A']):15.0f} {ratio:6.3f}")
+    finally:
+        for e in engines.values():
+            e.close()
+        srv.stop()
+    return results
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", default="512,1024,2048,4096", help="prompt lengths for time to first token ('' skips)")
     ap.add_argument("--repeat", type=int, default=60)
     ap.add_argument("--batches", default="1,16,128", help="batch sizes for the scheduler-side costs ('' skips)")
     ap.add_argument("--batch-len", type=int, default=256)
+    ap.add_argument("--decode-batches", default="1,16", help="batch sizes for decode throughput ('' skips)")
+    ap.add_argument("--decode-tokens", type=int, default=64, help="tokens each request decodes")
+    ap.add_argument("--decode-len", type=int, default=256, help="prompt tokens of the decode batches")
+    ap.add_argument("--decode-rounds", type=int, default=5, help="rounds of the decode comparison (medians)")
     ap.add_argument("--batch-prompts", type=int, default=256)
     ap.add_argument("--arch", default="llama", choices=["llama", "llama-8l", "nemotron-h"],
                     help="llama: the tests' 2-layer model (1 KiB of K+V per token); llama-8l: 8 layers, 32 KiB per "
@@ -237,6 +294,8 @@ def main() -> None:
     extra = ("--hybrid-cache", "--mamba-states", "2048", "--mamba-chunk", str(args.mamba_chunk)) if hybrid else ()
     extra += ("--kv-events",) if args.events == "on" else ()
     results = _ttft(py, model, args, hybrid, block, extra) if args.lengths else {}
+    if args.decode_batches:
+        results.update(_decode(py, model, args, hybrid, block, extra))
     if args.batches:
         results.update(_scheduler_side(py, model, args))
     print("RESULT " + " ".join(f"{k}={v:.3f}" for k, v in results.items()))

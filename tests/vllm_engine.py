@@ -281,13 +281,18 @@ def _serve(llm, prompts: list, sp, reply, await_index: bool) -> None:
     index = llm.llm_engine.engine_core.engine_core.scheduler.connector._sched.index if await_index else None
     reply.write("ready\n")
     for line in sys.stdin:
-        group = [prompts[int(i)] for i in line.split()]
+        words = line.split()  # prompt indices, and "max=N" to generate N tokens instead of the command line's
+        most = [int(w[4:]) for w in words if w.startswith("max=")]
+        params = sp if not most else sp.clone()
+        if most:
+            params.max_tokens = most[-1]
+        group = [prompts[int(i)] for i in words if not i.startswith("max=")]
         deadline = time.monotonic() + 10
         while index is not None and time.monotonic() < deadline and \
                 any(index.known_miss(p) for p in group):
             time.sleep(0.001)  # the event of another engine's store is on its way to this engine's index
         t0 = time.perf_counter()
-        rs = llm.generate([{"prompt_token_ids": p} for p in group], sp, use_tqdm=False)
+        rs = llm.generate([{"prompt_token_ids": p} for p in group], params, use_tqdm=False)
         took = time.perf_counter() - t0
         reply.write(json.dumps(_results(rs, took)) + "\n")
     llm.llm_engine.engine_core.shutdown()
