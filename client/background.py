@@ -320,8 +320,9 @@ class Lookups:
 class Stores:
     """Publishes, releases and a stock of radixd slots, off an engine's scheduler thread. The thread owns each request's
     radixd lock (prefix slots and receipt) from the moment the scheduler hands it over; operations run in the
-    order they were queued, batched per round: one CacheUnfinished for every publish (a request's second
-    publish goes in the next call, as it needs the first's receipt), one Unlock, one Free, one Alloc refill. A
+    order they were queued, batched per round: one CacheUnfinished for every publish (a request's next chunks in
+    the same call, each item extending the one before and taking over its lock), one Unlock, one Free, one Alloc
+    refill. A
     request released in the round of its last publish (one that ends at its prefill: a prefill node, a one-token
     answer) is published by CacheFinished, which inserts and releases in one call.
     A model with state layers: each publish donates a state slot (the server keeps a copy of it, and the slot goes
@@ -613,16 +614,24 @@ class Stores:
         batch: list[tuple] = []  # (rid, item, new slots, finished)
         frees: list[np.ndarray] = []
         copied = {id(op): op[9]() for op in ops if op[0] == "publish" and op[9] is not None}
+        chained: set[int] = set()  # id() of the items that extend an earlier item of the batch
         for op in ops:
             kind, rid = op[0], op[1]
             if kind == "release" and not (self.hybrid or self.states_max):
-                at = next((i for i, b in enumerate(batch) if b[0] == rid and not b[3]), None)
+                at = next((i for i in range(len(batch) - 1, -1, -1) if batch[i][0] == rid), None)
+                if at is not None and (batch[at][3] or id(batch[at][1]) in chained):
+                    at = None  # (an item extending another stays unfinished: the one it extends is locked for it)
                 if at is not None:  # its last publish is in this round: one CacheFinished inserts and releases
                     batch[at] = batch[at][:3] + (True,)
                     self._held.pop(rid, None)
                     self.refused.discard(rid)
                     continue
-            if kind in ("publish", "release") and any(b[0] == rid for b in batch):
+            chain = None  # a request's next chunk after its publish in this round: one call takes both (the
+            if kind == "publish" and not op[6]:  # second extends the first, whose receipt goes after the call)
+                chain = next((b for b in reversed(batch) if b[0] == rid), None)
+                if chain is not None and (chain[3] or rid in self.refused):
+                    chain = None
+            if kind in ("publish", "release") and chain is None and any(b[0] == rid for b in batch):
                 self._publish(batch, frees, unlocks)  # its next call needs this one's receipt
                 batch = []
             if kind == "hold":
@@ -630,7 +639,7 @@ class Stores:
             elif kind == "publish":
                 _, _, tokens, start, slots, ns, finished, floor, state, _ = op
                 slots = np.ravel(slots)
-                prefix, receipt = self._held.get(rid, (EMPTY, 0))
+                prefix, receipt = (chain[1]["indices"], 0) if chain is not None else self._held.get(rid, (EMPTY, 0))
                 if rid in self.refused or start != len(prefix) or not copied.get(id(op), True):
                     frees.append(slots)  # cannot attach (or their KV was not written): the pages are not kept
                     if state >= 0:
@@ -650,6 +659,8 @@ class Stores:
                     item["swa_evicted_seqlen"] = floor
                 if state >= 0:
                     item["mamba_value"] = state
+                if chain is not None:
+                    chained.add(id(item))
                 batch.append((rid, item, slots, finished))
             elif kind == "release":
                 _, _, tokens, ns = op
@@ -710,8 +721,13 @@ class Stores:
                     self._held.pop(rid, None)
             if not finished:
                 reuse = []
-                for (rid, item, _, _), (_, m) in zip(part, res):
-                    self._held[rid] = (m.indices, m.receipt_id)
+                last = {b[0]: i for i, b in enumerate(part)}
+                for i, ((rid, item, _, _), (_, m)) in enumerate(zip(part, res)):
+                    if last[rid] != i:  # a later item of the call extended it and took over its lock
+                        if m.receipt_id:
+                            unlocks.append(m.receipt_id)
+                    else:
+                        self._held[rid] = (m.indices, m.receipt_id)
                     if "mamba_value" in item:  # the tree kept a copy (or had a state there): the slot is ours
                         reuse.append(item["mamba_value"])  # again, back into the stock for the next store
                 if reuse:

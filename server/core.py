@@ -230,7 +230,25 @@ class CacheCore:
             raise Denied(f"{what}: {e}") from None
 
     # -------------------------------------------------------------- insert
-    def _validate_items(self, s: Session, items: list[Item]) -> None:
+    def _chained(self, items: list[Item], i: int) -> int:
+        """The earlier item of the same CacheUnfinished whose tokens and slots item i's prefix below prev_prefix_len
+        is (a request's chunks published in one call: in its namespace, within what that item inserts), or -1. That
+        item is inserted and locked before item i runs (an insert ignores the slots of its prefix), and item i takes
+        over its lock."""
+        it, n = items[i], items[i].prev_prefix_len
+        if it.receipt or not n:
+            return -1
+        for j in range(i - 1, -1, -1):
+            e = items[j]
+            npos = max(len(e.tokens) - 1, 0) if self.tree.bigram else len(e.tokens)
+            if e.ns == it.ns and npos - npos % self.tree.page_size >= n and len(e.indices) >= n and \
+                    e.tokens[:n].tobytes() == it.tokens[:n].tobytes() and np.array_equal(e.indices[:n], it.indices[:n]):
+                return j
+        return -1
+
+    def _validate_items(self, s: Session, items: list[Item], chains: bool = False) -> None:
+        """Every item well-formed and its slots the session's; with `chains` (CacheUnfinished) an item without a
+        receipt may extend an earlier item of the call (`_chained`)."""
         claimed: list[np.ndarray] = []
         for i, it in enumerate(items):
             n = len(it.tokens)
@@ -243,7 +261,7 @@ class CacheCore:
             aligned = npos - npos % self.tree.page_size
             if not 0 <= it.prev_prefix_len <= aligned:
                 raise BadRequest(f"item {i}: prev_prefix_len {it.prev_prefix_len} outside [0, {aligned}]")
-            if it.prev_prefix_len:
+            if it.prev_prefix_len and not (chains and self._chained(items, i) >= 0):
                 try:
                     cached = self.tree.cached_prefix_len(it.tokens, it.ns)
                 except InvalidInput as e:
@@ -292,17 +310,23 @@ class CacheCore:
         return out
 
     def cache_unfinished(self, s: Session, items: list[Item]):
-        """Chunked prefill: insert, release the old receipt, re-match and re-lock."""
-        self._validate_items(s, items)
+        """Chunked prefill: insert, release the old receipt, re-match and re-lock, item by item. An item may extend
+        an earlier one of the call (a request's next chunk, without a receipt): it takes over that item's lock, whose
+        receipt comes back as 0."""
+        self._validate_items(s, items, chains=True)
         self._check_receipts(s, [it.receipt for it in items if it.receipt])
         self._reserve_unfinished(items)
         out = []
-        for it in items:
+        for i, it in enumerate(items):
             res, _ = self._insert_one(s, it, chunked=True)
             if it.receipt:
                 self._release(s, it.receipt)
             m, receipt = self._relock(it)
             self.sessions.add_receipt(s, receipt)
+            j = self._chained(items, i)
+            if j >= 0 and out[j][2]:  # (its lock protected this item's prefix until now)
+                self._release(s, out[j][2])
+                out[j] = (out[j][0], out[j][1], 0)
             out.append((res, m, receipt))
         return out
 

@@ -134,8 +134,8 @@ class HybridCore(HybridShelf, CacheCore):
         self._check_held(s, states, what, self.states)
 
     # ------------------------------------------------------------------ insert
-    def _validate_items(self, s: Session, items: list[Item]) -> None:
-        super()._validate_items(s, items)
+    def _validate_items(self, s: Session, items: list[Item], chains: bool = False) -> None:
+        super()._validate_items(s, items, chains)
         page = self.alloc.page_size
         donated = []
         for i, it in enumerate(items):

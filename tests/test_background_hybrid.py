@@ -116,3 +116,54 @@ def test_a_burst_of_lookups_is_one_matchprefix_and_a_waiter_starts_it_at_once(se
         lookups.close()
         stores.close()
         c.close()
+
+
+def test_a_requests_chunks_queued_in_one_round_go_in_one_cacheunfinished_each_with_its_state(server):
+    """Three chunks of one request published before the store thread's round (a prefill faster than its ticks):
+    one CacheUnfinished takes all three, each item extending the one before (and taking over its lock) and donating
+    the state as of its own end; radixd holds each chunk's end with that chunk's state, and one lock."""
+    c = CacheClient(server.target, name="engine")
+    probe = CacheClient(server.target, name="probe")
+    stores = Stores(c, PAGE, 64, hybrid=True, states=4)
+    lookups = Lookups(c, False, stores, hybrid=True)
+    stores.first = lookups
+    try:
+        pool = c.map_pools()
+        conv = pool.state.conv_buffer[0]
+        toks = np.arange(300, 324, dtype=np.int32)
+        taken = []
+        for end in (8, 16, 24):  # the slots first (Alloc calls of their own), then the round under test
+            got = stores.take_pages(8 // PAGE, wait=5, states=1)
+            assert got is not None
+            taken.append((end, got[0].reshape(-1), int(got[2][0])))
+        _settle(stores, lookups)
+        stores.stepped = True  # (the round runs at the step's end: every publish below is in it)
+        for end, slots, state in taken:
+            conv[state] = float(end)  # the state as of `end`, as a worker would copy it
+            stores.publish("r", toks[:end], end - 8, slots, {}, state=state)
+        calls: list[tuple[str, int]] = []
+        for name in ("cache_unfinished", "unlock"):
+            def counted(arg, _name=name, _real=getattr(c, name)):
+                calls.append((_name, len(arg)))
+                return _real(arg)
+            setattr(c, name, counted)
+        stores.flush()
+        _settle(stores, lookups)
+        assert calls == [("cache_unfinished", 3)], calls  # each item took over the lock of the one before
+        assert probe.stats()["receipts"] == 1  # the last chunk's lock only
+        for end, _, _ in taken:
+            m = probe.match_hybrid([toks[:end]])[0]
+            assert m.matched_len == end and m.mamba_src >= 0 and float(conv[m.mamba_src].min()) == float(end)
+        stores.release("r", toks[:24], {})
+        stores.flush()
+        _settle(stores, lookups)
+        assert probe.stats()["receipts"] == 0 and probe.check() == []
+        pool.close()
+    finally:
+        lookups.close()
+        stores.close()
+        s = probe.stats()
+        assert s["held_tokens"] == 0 and s["mamba_held"] == 0 and s["receipts"] == 0, s
+        assert probe.check() == []
+        probe.close()
+        c.close()

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from radixd.client import (
-    CacheClient, FailedPrecondition, NotFound, PermissionDenied, ResourceExhausted,
+    CacheClient, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted,
     ServerRestarted, Unauthenticated,
 )
 from radixd.proto import cache_pb2 as pb
@@ -104,6 +104,32 @@ def test_cache_unfinished_relocks_and_returns_new_indices(client):
     client.unlock([m2.receipt_id])
     assert client.reset() == 20
     assert conserved(client)["cached_tokens"] == 0
+
+
+def test_one_cache_unfinished_takes_a_requests_next_chunks_each_extending_the_one_before(client):
+    """A request's chunks published together (a client's store thread that fell a round behind): the second item
+    has no receipt and its prefix is the first item's tokens and slots; both are inserted, and the second takes
+    over the first's lock (its receipt comes back as 0). A prefix that is not an earlier item's is refused whole;
+    CacheFinished takes no chains."""
+    toks = np.arange(100, 124, dtype=np.int32)
+    a, b = client.alloc([8, 16])
+    first = dict(tokens=toks[:8], indices=a)
+    second = dict(tokens=toks[:24], indices=np.concatenate([a, b]), prev_prefix_len=8)
+    before = conserved(client)
+    wrong = dict(second, indices=np.concatenate([b[:8], b[:8], b[8:]]))  # not the first item's slots
+    with pytest.raises(InvalidArgument, match="item 1: prev_prefix_len 8 exceeds the cached prefix"):
+        client.cache_unfinished([first, wrong])
+    with pytest.raises(InvalidArgument, match="item 1: prev_prefix_len 8 exceeds the cached prefix"):
+        client.cache_finished([first, second])
+    assert conserved(client) == before  # refused whole: nothing changed
+    (i1, m1), (i2, m2) = client.cache_unfinished([first, second])
+    assert i1.adopted == 8 and i2.adopted == 16 and m2.matched_len == 24 and np.array_equal(m2.indices[:8], a)
+    assert m1.receipt_id == 0 and m2.receipt_id  # the second item took over the first's lock
+    s = conserved(client)
+    assert s["receipts"] == 1
+    assert s["cached_tokens"] == 24 and s["protected_tokens"] == 24 and s["held_tokens"] == before["held_tokens"] - 24
+    client.unlock([m2.receipt_id])
+    assert conserved(client)["evictable_tokens"] == 24 and client.check() == []
 
 
 def test_alloc_evicts_when_short_and_exhausts_cleanly(client):
