@@ -4,6 +4,7 @@ releases of a
 model with states unlock, and nothing stays held or locked. The vLLM connector's Mamba path rests on these."""
 from __future__ import annotations
 
+import contextlib
 import time
 
 import numpy as np
@@ -33,15 +34,31 @@ def _settle(stores: Stores, lookups: Lookups) -> None:
         stores.wait_idle(0.1)
 
 
-def test_publishes_donate_states_and_give_the_donated_slots_back(server):
+@contextlib.contextmanager
+def _engine(server, states: int):
+    """An engine's client with its store and lookup threads, and a probe; afterwards nothing may stay held or
+    locked, and the server's checker must pass."""
     c = CacheClient(server.target, name="engine")
     probe = CacheClient(server.target, name="probe")
-    stores = Stores(c, PAGE, 64, hybrid=True, states=2)
+    stores = Stores(c, PAGE, 64, hybrid=True, states=states)
     lookups = Lookups(c, False, stores, hybrid=True)
     stores.first = lookups
+    pool = c.map_pools()
     try:
-        pool = c.map_pools()
-        conv = pool.state.conv_buffer[0]
+        yield c, probe, stores, lookups, pool.state.conv_buffer[0]
+    finally:
+        pool.close()
+        lookups.close()
+        stores.close()
+        s = probe.stats()
+        assert s["held_tokens"] == 0 and s["mamba_held"] == 0 and s["receipts"] == 0, s
+        assert probe.check() == []
+        probe.close()
+        c.close()
+
+
+def test_publishes_donate_states_and_give_the_donated_slots_back(server):
+    with _engine(server, 2) as (c, probe, stores, lookups, conv):
         toks = np.arange(100, 124, dtype=np.int32)
         start = 0
         for end, mark in ((8, 1.0), (16, 2.0)):  # two steps of one request, each ending on a page
@@ -85,15 +102,6 @@ def test_publishes_donate_states_and_give_the_donated_slots_back(server):
             assert len(res[0]) == want, (ns, len(res[0]))
             stores.unlock(res[1])
         _settle(stores, lookups)
-        pool.close()
-    finally:
-        lookups.close()
-        stores.close()
-        s = probe.stats()
-        assert s["held_tokens"] == 0 and s["mamba_held"] == 0 and s["receipts"] == 0, s
-        assert probe.check() == []
-        probe.close()
-        c.close()
 
 
 def test_a_burst_of_lookups_is_one_matchprefix_and_a_waiter_starts_it_at_once(server):
@@ -122,14 +130,7 @@ def test_a_requests_chunks_queued_in_one_round_go_in_one_cacheunfinished_each_wi
     """Three chunks of one request published before the store thread's round (a prefill faster than its ticks):
     one CacheUnfinished takes all three, each item extending the one before (and taking over its lock) and donating
     the state as of its own end; radixd holds each chunk's end with that chunk's state, and one lock."""
-    c = CacheClient(server.target, name="engine")
-    probe = CacheClient(server.target, name="probe")
-    stores = Stores(c, PAGE, 64, hybrid=True, states=4)
-    lookups = Lookups(c, False, stores, hybrid=True)
-    stores.first = lookups
-    try:
-        pool = c.map_pools()
-        conv = pool.state.conv_buffer[0]
+    with _engine(server, 4) as (c, probe, stores, lookups, conv):
         toks = np.arange(300, 324, dtype=np.int32)
         taken = []
         for end in (8, 16, 24):  # the slots first (Alloc calls of their own), then the round under test
@@ -158,12 +159,3 @@ def test_a_requests_chunks_queued_in_one_round_go_in_one_cacheunfinished_each_wi
         stores.flush()
         _settle(stores, lookups)
         assert probe.stats()["receipts"] == 0 and probe.check() == []
-        pool.close()
-    finally:
-        lookups.close()
-        stores.close()
-        s = probe.stats()
-        assert s["held_tokens"] == 0 and s["mamba_held"] == 0 and s["receipts"] == 0, s
-        assert probe.check() == []
-        probe.close()
-        c.close()
